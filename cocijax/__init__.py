@@ -10,3 +10,22 @@
 __version__ = "0.1.0"
 
 # Each subsystem re-exports its public names below, one import a line.
+from cocijax import policies
+from cocijax import sim
+from cocijax import storage
+from cocijax._save_decision import SaveDecisionPolicy
+from cocijax.manager import CheckpointManager
+from cocijax.policies import plan
+from cocijax.storage import StripedCheckpointHandler, StripedRestore, StripedSave
+
+__all__ = [
+    "CheckpointManager",
+    "SaveDecisionPolicy",
+    "StripedCheckpointHandler",
+    "StripedRestore",
+    "StripedSave",
+    "plan",
+    "policies",
+    "sim",
+    "storage",
+]

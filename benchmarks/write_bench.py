@@ -1,0 +1,425 @@
+"""Write benchmark: StripedCheckpointHandler vs Orbax's StandardCheckpointHandler vs the device.
+
+Trees (issue 3): (a) 1 GiB as 16 x 64 MiB float32, (b) 256 MiB as 1024 small float32 leaves,
+(c) a small transformer with bf16 parameters and its float32 Adam state. Each is saved with
+cocijax over 1, 2 and 4 roots and with Orbax's ``StandardCheckpointHandler``, both under the same
+``ocp.AsyncCheckpointer``, and compared with the device limit measured in the same run: one
+sequential write of the same bytes followed by one fsync (like ``dd conv=fsync``). Everything is
+repeated on tmpfs (``/dev/shm``) to show the parallel scaling without the disk.
+
+Each case runs in a fresh subprocess (nothing cached, clean memory accounting), which:
+
+* builds the tree as jax arrays, warms the checkpointer up with a tiny save elsewhere;
+* times ``save`` (the blocking part) and ``wait_until_finished`` (durable commit);
+* samples its resident set size every millisecond in a thread: peak minus the RSS just
+  before ``save`` is the extra host memory of the save;
+* evicts the written files from the page cache (``posix_fadvise DONTNEED``) and times a restore
+  into an abstract tree (``jax.ShapeDtypeStruct`` on the device), then checks the values.
+
+The reference for the blocking time is one single-threaded host copy of the tree into fresh
+memory (``np.array(x)`` per leaf), measured in the ``seq`` case.
+
+Run: ``python benchmarks/write_bench.py [--quick] [--dir DIR] [--tmpfs DIR|none] [--repeat N]
+[--no-write]``. Prints a table and rewrites the ``write_bench`` section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GiB = 1 << 30
+MiB = 1 << 20
+BENCH_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+SECTION = "write_bench"
+METHODS = ["seq", "orbax", "cocijax-1", "cocijax-2", "cocijax-4"]
+
+# --------------------------------------------------------------------------- the subprocess
+
+
+def _tree(name: str, quick: bool):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    key = jax.random.key(0)
+    if name == "a":  # 16 x 64 MiB float32
+        n = (4 if quick else 64) * MiB // 4
+        keys = jax.random.split(key, 16)
+        return {f"w{i:02d}": jax.random.normal(k, (n // 1024, 1024)) for i, k in enumerate(keys)}
+    if name == "b":  # 1024 x 256 KiB float32
+        count, n = (256, 16 * 1024) if quick else (1024, 64 * 1024)
+        data = jax.random.normal(key, (count, n))
+        return {f"leaf{i:04d}": data[i] for i in range(count)}
+    # (c): bf16 transformer parameters + float32 Adam moments + int32 step count.
+    d, layers, vocab = (128, 2, 1024) if quick else (512, 4, 8192)
+    shapes = {"embed": (vocab, d)}
+    for i in range(layers):
+        shapes |= {
+            f"l{i}/qkv": (d, 3 * d), f"l{i}/out": (d, d), f"l{i}/up": (d, 4 * d),
+            f"l{i}/down": (4 * d, d), f"l{i}/ln1": (d,), f"l{i}/ln2": (d,),
+            f"l{i}/b_up": (4 * d,), f"l{i}/b_down": (d,),
+        }  # fmt: skip
+    keys = jax.random.split(key, len(shapes))
+    params = {
+        k: (0.02 * jax.random.normal(kk, s)).astype(jnp.bfloat16)
+        for (k, s), kk in zip(shapes.items(), keys, strict=True)
+    }
+    opt = optax.adam(1e-3)
+    opt_state = opt.init(jax.tree.map(lambda p: p.astype(jnp.float32), params))
+    # Non-zero moments, as after training.
+    opt_state = jax.tree.map(lambda x: x + 0.5 if x.dtype == jnp.float32 else x, opt_state)
+    return {"params": params, "opt_state": opt_state}
+
+
+class _RssSampler:
+    """Peak resident set size, sampled from /proc every millisecond in a thread."""
+
+    def __init__(self):
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self):
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def _evict(path: Path) -> None:
+    """Drops the page cache of every file under ``path`` so restore reads the device."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _run_case(case: dict) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import cocijax as cj
+
+    tree = _tree(case["tree"], case["quick"])
+    jax.block_until_ready(tree)
+    leaves = jax.tree.leaves(tree)
+    nbytes = sum(x.nbytes for x in leaves)
+    work = Path(case["dir"])
+    out = {"bytes": nbytes}
+    if case["method"] == "seq":
+        # One host copy into fresh memory: the reference for the blocking time.
+        t = time.perf_counter()
+        host = [np.array(x) for x in leaves]
+        out["memcpy_s"] = time.perf_counter() - t
+        # The device limit: the same bytes, written sequentially, one fsync at the end.
+        path = work / "seq.bin"
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            for h in host:
+                f.write(memoryview(h.reshape(-1).view(np.uint8)))
+            f.flush()
+            os.fsync(f.fileno())
+        out["commit_s"] = time.perf_counter() - t
+        return out
+
+    if case["method"] == "orbax":
+        make = ocp.StandardCheckpointHandler
+        save_args, restore_args = ocp.args.StandardSave, ocp.args.StandardRestore
+    else:
+        n_roots = int(case["method"].split("-")[1])
+        roots = [work / f"root{i}" for i in range(n_roots)]
+        make = lambda: cj.StripedCheckpointHandler(roots)  # noqa: E731
+        save_args, restore_args = cj.StripedSave, cj.StripedRestore
+    with ocp.AsyncCheckpointer(make()) as ckptr:
+        warm = {"w": jax.numpy.ones((256, 256))}
+        ckptr.save(work / "warmup", args=save_args(warm))
+        ckptr.wait_until_finished()
+        with _RssSampler() as rss:
+            before = rss.now()
+            t0 = time.perf_counter()
+            ckptr.save(work / "ckpt", args=save_args(tree))
+            t1 = time.perf_counter()
+            ckptr.wait_until_finished()
+            t2 = time.perf_counter()
+        out |= {"blocking_s": t1 - t0, "commit_s": t2 - t0, "peak_extra": rss.peak - before}
+        _evict(work)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
+        t = time.perf_counter()
+        restored = ckptr.restore(work / "ckpt", args=restore_args(abstract))
+        jax.block_until_ready(restored)
+        out["restore_s"] = time.perf_counter() - t
+    for a, b in zip(leaves, jax.tree.leaves(restored), strict=True):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            raise AssertionError(f"{case['method']}: restored values differ")
+    return out
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+def _one(case: dict) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="cocijax-bench-", dir=case["base"]))
+    try:
+        child = dict(case, dir=str(work))
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--_case", json.dumps(child)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"case {case} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _machine(dirs: dict[str, str]) -> list[str]:
+    import jax
+    import numpy
+    import orbax.checkpoint
+    import tensorstore
+
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        ram = int(f.readline().split()[1]) * 1024
+    lines = [
+        f"- Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"- CPU: {cpu}, {os.cpu_count()} cores; RAM {ram / GiB:.0f} GiB",
+    ]
+    for label, d in dirs.items():
+        lines.append(f"- {label}: {_filesystem(d)}")
+    lines.append(
+        f"- Python {platform.python_version()}, jax {jax.__version__}, orbax-checkpoint "
+        f"{orbax.checkpoint.__version__}, tensorstore {tensorstore.__version__}, numpy "
+        f"{numpy.__version__}"
+    )
+    return lines
+
+
+def _filesystem(path: str) -> str:
+    best = ("", "?", "?")
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(
+                best[0]
+            ):
+                best = (mnt, dev, fstype)
+    return f"{fstype_desc(best)}"
+
+
+def fstype_desc(best) -> str:
+    mnt, dev, fstype = best
+    return f"{fstype} on {dev} (mounted at {mnt})"
+
+
+def _fmt_rows(results: dict, trees: list[str], locations: list[str]):
+    rows = []
+    for loc in locations:
+        for tree in trees:
+            seq = results[(loc, tree, "seq")]
+            for method in METHODS:
+                r = results[(loc, tree, method)]
+                gib = r["bytes"] / GiB
+                row = {
+                    "where": loc,
+                    "tree": f"({tree}) {r['bytes'] / MiB:.0f} MiB",
+                    "method": method,
+                    "blocking_s": r.get("blocking_s"),
+                    "blocking_x": r["blocking_s"] / seq["memcpy_s"] if "blocking_s" in r else None,
+                    "commit_s": r["commit_s"],
+                    "write_gibs": gib / r["commit_s"],
+                    "restore_gibs": gib / r["restore_s"] if "restore_s" in r else None,
+                    "peak_x": r["peak_extra"] / r["bytes"] if "peak_extra" in r else None,
+                }
+                rows.append(row)
+    return rows
+
+
+def _cell(v, fmt):
+    return "" if v is None else format(v, fmt)
+
+
+def _targets(results: dict, trees: list[str], loc: str) -> list[str]:
+    out = []
+
+    def get(tree, method, key):
+        return results[(loc, tree, method)].get(key)
+
+    best = {t: min(METHODS[2:], key=lambda m, t=t: get(t, m, "commit_s")) for t in trees}
+    if "a" in trees:
+        m = best["a"]
+        x = get("a", "orbax", "commit_s") / get("a", m, "commit_s")
+        frac = get("a", "seq", "commit_s") / get("a", m, "commit_s")
+        out.append(_verdict(f"(a) durable commit >= 3x faster than Orbax ({m})", x, 3.0, "x"))
+        out.append(_verdict(f"(a) >= 80% of the sequential-write limit ({m})", frac, 0.8, "%"))
+    if "b" in trees:
+        m = best["b"]
+        x = get("b", "orbax", "commit_s") / get("b", m, "commit_s")
+        out.append(_verdict(f"(b) durable commit >= 2x faster than Orbax ({m})", x, 2.0, "x"))
+    for t in trees:
+        memcpy = get(t, "seq", "memcpy_s")
+        worst = max(get(t, m, "blocking_s") / memcpy for m in METHODS[2:])
+        out.append(_verdict(f"({t}) blocking <= 2x one host memcpy (worst roots)", worst, 2.0, "le"))
+    for t in trees:
+        m = best[t]
+        x = get(t, m, "restore_s") and get(t, "orbax", "restore_s") / get(t, m, "restore_s")
+        out.append(_verdict(f"({t}) restore >= 1.5x Orbax ({m})", x, 1.5, "x"))
+    for t in trees:
+        worst = max(get(t, m, "peak_extra") / get(t, m, "bytes") for m in METHODS[2:])
+        out.append(_verdict(f"({t}) peak extra host memory <= 1.3x tree (worst roots)", worst, 1.3,
+                            "le"))  # fmt: skip
+    return out
+
+
+def _verdict(label: str, value: float, bound: float, kind: str) -> str:
+    if kind == "le":
+        ok = value <= bound
+        shown = f"{value:.2f}x (bound {bound}x)"
+    elif kind == "%":
+        ok = value >= bound
+        shown = f"{value:.0%} (bound {bound:.0%})"
+    else:
+        ok = value >= bound
+        shown = f"{value:.2f}x (bound {bound}x)"
+    return f"- {'MET' if ok else 'NOT MET'}: {label}: measured {shown}"
+
+
+def _write_section(text: str) -> None:
+    begin, end = f"<!-- BEGIN {SECTION} -->", f"<!-- END {SECTION} -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    current = BENCH_MD.read_text() if BENCH_MD.exists() else "# Benchmarks\n\n"
+    if begin in current and end in current:
+        head, rest = current.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
+    else:
+        new = current.rstrip("\n") + "\n\n" + block
+    BENCH_MD.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; see the module docstring. Returns a process exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small trees (smoke run)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk")
+    parser.add_argument(
+        "--tmpfs", default="/dev/shm", help="tmpfs directory for the second pass, or 'none'"
+    )
+    parser.add_argument("--trees", default="abc", help="subset of the trees a, b, c")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case (median kept)")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument("--_case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._case:
+        print(json.dumps(_run_case(json.loads(args._case))))
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    locations = {"disk": args.dir}
+    if args.tmpfs != "none" and os.path.isdir(args.tmpfs):
+        locations["tmpfs"] = args.tmpfs
+    trees = list(args.trees)
+    results = {}
+    for loc, base in locations.items():
+        for tree in trees:
+            for method in METHODS:
+                case = {"tree": tree, "method": method, "quick": args.quick, "base": base}
+                runs = [_one(case) for _ in range(args.repeat)]
+                results[(loc, tree, method)] = _median(runs)
+                console.log(f"{loc} ({tree}) {method}: {results[(loc, tree, method)]}")
+
+    rows = _fmt_rows(results, trees, list(locations))
+    table = Table(title="write_bench" + (" (--quick)" if args.quick else ""))
+    cols = ["where", "tree", "method", "blocking s", "blocking / memcpy", "commit s",
+            "write GiB/s", "restore GiB/s", "peak extra / tree"]  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("where", "tree", "method") else "right")
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [
+            r["where"], r["tree"], r["method"], _cell(r["blocking_s"], ".3f"),
+            _cell(r["blocking_x"], ".2f"), _cell(r["commit_s"], ".3f"),
+            _cell(r["write_gibs"], ".2f"), _cell(r["restore_gibs"], ".2f"),
+            _cell(r["peak_x"], ".2f"),
+        ]  # fmt: skip
+        table.add_row(*cells)
+        md.append("| " + " | ".join(cells) + " |")
+    console.print(table)
+    verdicts = []
+    for loc in locations:
+        verdicts.append(f"\nTargets on {loc}:\n")
+        verdicts.extend(_targets(results, trees, loc))
+    console.print("\n".join(verdicts))
+    if not args.no_write:
+        cmd = "python benchmarks/write_bench.py" + (" --quick" if args.quick else "")
+        text = "\n".join(
+            [
+                "## write_bench: striped async checkpoint writes",
+                "",
+                f"Command: `{cmd}` (repeat={args.repeat}, median). `seq` is one sequential "
+                "write of the same bytes plus one fsync (the device limit); its blocking "
+                "column is empty. `cocijax-N` stripes over N root directories; on this machine "
+                "all roots of a pass share one device, so only tmpfs shows parallel scaling.",
+                "",
+                "Machine:",
+                *_machine({f"{k} ({v})": v for k, v in locations.items()}),
+                "",
+                *md,
+                *verdicts,
+            ]
+        )
+        _write_section(text)
+        console.print(f"Updated the {SECTION} section of {BENCH_MD.name}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

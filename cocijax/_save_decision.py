@@ -1,0 +1,132 @@
+"""``SaveDecisionPolicy``: any cocijax policy as an Orbax ``save_decision_policy``.
+
+For users who keep their own ``ocp.CheckpointManager``: Orbax asks ``should_save`` once per
+``save`` call, and this adapter feeds the cocijax policy with times it measures itself.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
+
+__all__ = ["SaveDecisionPolicy"]
+
+
+class SaveDecisionPolicy:
+    """Orbax ``SaveDecisionPolicy`` protocol backed by a :mod:`cocijax.policies` policy.
+
+    **Loss.** Read from ``step.metrics[metric]`` when Orbax provides metrics for the step being
+    decided. Orbax 0.12's ``CheckpointManager.should_save`` passes ``metrics=None`` for it, so
+    report the loss with :meth:`observe` before calling ``save``; without either the policy sees
+    NaN (ignored: it falls back on time alone). ``observe`` accepts an unfinished ``jax.Array``;
+    it is read at the next decision, so the policy sees each observed loss one step late and the
+    training loop is never synchronised by it.
+
+    **Times.** Measured between consecutive ``should_save`` calls (one per training step). An
+    interval that follows a "save" decision also contains the blocking part of that save, plus
+    any wait for the previous async save: its excess over the current step-time estimate (the
+    last interval that followed a "no" decision) is fed to the policy as the checkpoint cost.
+
+    **Several processes.** Each process measures its own times; before every decision the
+    measured values are broadcast from process 0 (``multihost_utils.broadcast_one_to_all``), so
+    all processes run the same jitted update on the same inputs and take the same decision.
+    Every process must therefore call ``should_save`` for the same steps (Orbax does, as
+    ``save`` is called by all processes).
+
+    Calling ``should_save`` again for the step it has just decided returns the same answer
+    without feeding the policy twice.
+
+    Args:
+      policy: a :mod:`cocijax.policies` policy; default ``cj.policies.coci()``.
+      metric: the key of the loss in ``metrics``.
+      clock: monotonic clock in seconds; injectable for deterministic tests.
+
+    Example:
+      >>> sdp = cj.SaveDecisionPolicy(cj.policies.coci(mtbf_s=4 * 3600.0))
+      >>> mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
+      ...     save_decision_policy=sdp))
+      >>> for step in range(1, n + 1):
+      ...     state, loss = train_step(state, batch)
+      ...     sdp.observe(loss)
+      ...     mngr.save(step, args=ocp.args.StandardSave(state))
+    """
+
+    def __init__(
+        self,
+        policy: Any = None,
+        *,
+        metric: str = "loss",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        from cocijax import policies
+
+        if not isinstance(metric, str):
+            raise TypeError(f"metric: expected a str key, got {type(metric).__name__}.")
+        self._driver = PolicyDriver(policies.coci() if policy is None else policy)
+        self._metric = metric
+        self._clock = clock
+        self._observed: Any = None
+        self._observed_prev: Any = None
+        self._t_prev: float | None = None
+        self._saved_prev = False
+        self._decision: bool | None = None
+
+    @property
+    def state(self) -> Any:
+        """The current policy state (a pytree of arrays)."""
+        return self._driver.state
+
+    def observe(self, loss: Any) -> None:
+        """Reports the loss of the step that the next ``should_save`` decides on.
+
+        Raises:
+          TypeError, ValueError: ``loss`` is not a scalar number or array.
+        """
+        self._observed = stage_loss(loss)
+
+    def should_save(
+        self,
+        step: Any,
+        previous_steps: Sequence[Any],
+        *,
+        context: Any,
+    ) -> bool:
+        """Returns True when the cocijax policy says to checkpoint after ``step.step``.
+
+        Raises:
+          ValueError: ``step.step`` is smaller than the step of the previous call.
+        """
+        del previous_steps, context  # the policy keeps its own history
+        number = int(step.step)
+        last = self._driver.step
+        if last is not None and number == last and self._decision is not None:
+            return self._decision
+        if last is not None and number < last:
+            raise ValueError(
+                f"step: {number} comes before the previously decided step {last}; "
+                "should_save expects increasing steps."
+            )
+        now = self._clock()
+        interval = math.nan if self._t_prev is None else now - self._t_prev
+        self._t_prev = now
+        if math.isfinite(interval):
+            if not self._saved_prev:
+                self._driver.step_time_s = interval
+            elif math.isfinite(self._driver.step_time_s):
+                # This interval holds a step plus the blocking part of the save after the last.
+                self._driver.cost_s = max(interval - self._driver.step_time_s, 0.0)
+        metrics = getattr(step, "metrics", None)
+        if metrics and self._metric in metrics:
+            loss = read_loss(metrics[self._metric])
+        else:
+            # The loss observed for the previous step: that step has finished by now.
+            loss = read_loss(self._observed_prev)
+        self._observed_prev, self._observed = self._observed, None
+        decision = self._driver.decide(number, loss=loss, step_time_s=self._driver.step_time_s)
+        self._saved_prev = decision
+        self._decision = decision
+        return decision

@@ -1,0 +1,630 @@
+"""``CheckpointManager``: a policy decides when to save, the striped handler writes, Orbax manages.
+
+The manager composes an ``ocp.CheckpointManager`` (exposed as ``.orbax``) that holds two items per
+step: ``state`` (the training state, written by :class:`cocijax.StripedCheckpointHandler`) and
+``policy`` (the policy's state and the manager's measurements, see ``_policy_item``). Orbax keeps
+doing what it already does well: atomic commit of step directories, asynchronous finalisation,
+``max_to_keep``/``keep_period``/preservation policies. The manager adds what Orbax cannot know:
+
+* **When to save.** ``save`` is called every step; a :mod:`cocijax.policies` policy decides, fed
+  with times the manager measures itself (no user input).
+* **Stripes outside the step directory.** With external ``roots`` a step's data lives on other
+  file systems, so deleting the step directory is not enough: the manager removes the stripes no
+  committed step references, after each save has finished and at start-up (crash leftovers).
+
+Orbax is configured to *rename* steps it deletes into ``.cocijax-deleted/`` (its
+``todelete_subdir`` option) instead of deleting them file by file, so a crash in the middle of a
+deletion never leaves a listed step with half its files; the manager empties that directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+
+from cocijax import storage
+from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
+from cocijax._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
+
+__all__ = ["CheckpointManager", "DirectoryLockedError", "Measurements"]
+
+log = logging.getLogger(__name__)
+
+STATE_ITEM = "state"
+POLICY_ITEM = "policy"
+TRASH_DIR = ".cocijax-deleted"
+LOCK_FILE = ".cocijax.lock"
+_STEP_RE = re.compile(r"^\d+$")
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+class Measurements(NamedTuple):
+    """What the policy was told at the last ``save`` call, and the last save's blocking time."""
+
+    step_time_s: float  # the previous step's measured duration
+    loss: float  # the loss it saw (the previous step's: losses are read one step late)
+    cost_estimate_s: float  # checkpoint cost it was given (NaN before the first save)
+    last_save_s: float  # blocking time of the most recent save (NaN before the first)
+
+
+class DirectoryLockedError(RuntimeError):
+    """Another ``CheckpointManager`` (in this or another process) writes to the directory."""
+
+
+def _is_committed(step_dir: Path) -> bool:
+    """A step is committed when its ``state`` manifest is present and valid."""
+    try:
+        storage.read_manifest(step_dir / STATE_ITEM)
+    except (ValueError, OSError, KeyError, TypeError):
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommittedStepFormat:
+    """Orbax ``NameFormat`` that lists only steps with a valid cocijax manifest.
+
+    Orbax lists every directory named like a step; a step whose manifest is missing or invalid
+    (corruption, a foreign tool) must not be listed, restored or counted by ``max_to_keep``.
+    """
+
+    inner: Any = dataclasses.field(default_factory=ocp.path.step.standard_name_format)
+
+    def build_name(self, step: int) -> str:
+        return self.inner.build_name(step)
+
+    def find_all(self, base_path: Any) -> Iterator[Any]:
+        return (m for m in self.inner.find_all(base_path) if _is_committed(Path(m.path)))
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        metadata = self.inner.find_step(base_path, step)
+        if not _is_committed(Path(metadata.path)):
+            raise ValueError(f"{metadata.path}: step {step} has no valid cocijax manifest.")
+        return metadata
+
+
+def _check_layout(directory: Path, roots: Sequence[Path]) -> list[Path]:
+    """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
+
+    Allowed: step directories holding a ``state`` item, Orbax temporary directories, our lock
+    and trash, stripe directories (when ``directory`` is also a root) and hidden files.
+    """
+    stripes = set()
+    if directory in roots:
+        stripes = {p.resolve() for p in storage.find_stripe_dirs(directory)}
+    uncommitted = []
+    for entry in sorted(directory.iterdir()):
+        name = entry.name
+        if name.startswith(".") or _TMP_MARK in name or entry.resolve() in stripes:
+            continue
+        if _STEP_RE.match(name) and entry.is_dir():
+            if not (entry / STATE_ITEM).is_dir():
+                raise ValueError(
+                    f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
+                    "item; it was not written by cocijax. Use an empty or cocijax-only directory."
+                )
+            if not _is_committed(entry):
+                uncommitted.append(entry)
+            continue
+        raise ValueError(
+            f"directory: {entry} was not written by cocijax (expected only step directories). "
+            "Use an empty or cocijax-only directory."
+        )
+    return uncommitted
+
+
+def _merge_options(
+    options: ocp.CheckpointManagerOptions | None, **shortcuts: Any
+) -> ocp.CheckpointManagerOptions:
+    options = options or ocp.CheckpointManagerOptions()
+    for name, value in shortcuts.items():
+        if value is None:
+            continue
+        current = getattr(options, name)
+        if current is not None and current != value:
+            raise ValueError(
+                f"{name}: given as {value!r} and as {current!r} in options; give it once."
+            )
+        options = dataclasses.replace(options, **{name: value})
+    unsupported = ("save_decision_policy", "should_save_fn", "step_name_format", "best_fn",
+                   "step_prefix", "step_format_fixed_length", "save_on_steps")
+    for name in unsupported:
+        if getattr(options, name):  # None or empty (Orbax turns save_on_steps into a set)
+            raise ValueError(
+                f"options.{name}: not supported by cocijax.CheckpointManager (the policy decides "
+                "when to save, and step directories keep Orbax's plain numeric names); leave it "
+                "unset."
+            )
+    return dataclasses.replace(
+        options,
+        step_name_format=_CommittedStepFormat(),
+        cleanup_tmp_directories=not options.read_only,
+        todelete_subdir=TRASH_DIR,
+        create=not options.read_only,
+    )
+
+
+class CheckpointManager:
+    """Saves a training state when a cocijax policy says so, through striped async writes.
+
+    Call :meth:`save` after every training step; it returns True when it started a save.
+
+    What the manager measures and feeds the policy (no extra user input):
+
+    * **step time**: monotonic-clock time from the end of one ``save`` call to the policy's
+      decision in the next, so the checkpoint writes inside ``save`` are excluded. The decision
+      is where the step is known to be over (reading the loss, or the policy's own computation
+      queued behind the step, waits for it), so each step time reaches the policy one call late,
+      like the loss. The first step after ``__init__``/``restore`` is not timed (it usually
+      includes compilation): the policy is given the step time saved with the checkpoint, or
+      NaN ("unknown") in a fresh directory, where the second step then gets its own host-side
+      time, measured before the decision.
+    * **checkpoint cost**: the blocking time of a save, including the wait for the previous
+      asynchronous save if it was still running (a real stall of training).
+    * **loss, one step late**: ``loss`` may be an unfinished ``jax.Array``. Reading it at once
+      would stall the host until the step is done, so ``save`` starts its copy to host and the
+      policy sees each loss at the next call (the previous step has finished by then while the
+      current one keeps running). A NaN/inf loss is passed on; policies ignore it.
+
+    The policy update is jitted once. The policy state and these measurements are saved with
+    every checkpoint (item ``policy``) and reloaded from the newest step when the manager opens
+    (and from the restored step by :meth:`restore`), so a restarted job continues its schedule.
+
+    In a multi-process job every process calls ``save``; the measured values are broadcast from
+    process 0 before each decision, so every process takes the same decision. Only the primary
+    process deletes anything.
+
+    Args:
+      directory: where Orbax keeps step directories (created if missing).
+      roots: storage roots the state is striped over. ``None`` (default) keeps the data inside
+        each step directory, so Orbax's atomic commit and deletion cover it.
+      policy: a :mod:`cocijax.policies` policy; default ``cj.policies.coci()`` (its default MTBF).
+      max_to_keep: keep at most this many steps (Orbax option).
+      keep_period: also keep every step that is a multiple of this (Orbax option).
+      preservation_policy: an Orbax preservation policy, instead of the two above.
+      options: any other ``ocp.CheckpointManagerOptions`` (e.g. ``enable_async_checkpointing``,
+        ``read_only``). Options that decide when to save (``save_decision_policy``,
+        ``should_save_fn``, ``save_on_steps``), ``best_fn`` and step naming (``step_prefix``,
+        ``step_format_fixed_length``, ``step_name_format``) are not supported.
+      handler_options: keyword arguments for :class:`cocijax.StripedCheckpointHandler`.
+      clock: monotonic clock in seconds; injectable for deterministic tests.
+
+    Raises:
+      ValueError: ``directory`` holds files or steps cocijax did not write, or options conflict.
+      DirectoryLockedError: another manager has the directory open for writing.
+
+    Example:
+      >>> with cj.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:
+      ...     for step in range(1, 301):
+      ...         state, loss = train_step(state, batch)
+      ...         mngr.save(step, state, loss=loss)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        roots: Sequence[str | os.PathLike[str]] | None = None,
+        policy: Any = None,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        preservation_policy: Any = None,
+        options: ocp.CheckpointManagerOptions | None = None,
+        handler_options: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        from cocijax import policies
+
+        self._directory = Path(directory).absolute()
+        self._roots = tuple(Path(r).absolute() for r in roots) if roots else ()
+        self._clock = clock
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._stripe_cache: dict[tuple[str, int], set[Path]] = {}
+        options = _merge_options(
+            options,
+            max_to_keep=max_to_keep,
+            keep_period=keep_period,
+            preservation_policy=preservation_policy,
+        )
+        self._read_only = options.read_only
+        self._name_format = options.step_name_format
+        self._primary = jax.process_index() == (options.multiprocessing_options.primary_host or 0)
+        self._driver = PolicyDriver(policies.coci() if policy is None else policy)
+
+        if not self._read_only:
+            self._directory.mkdir(parents=True, exist_ok=True)
+        elif not self._directory.is_dir():
+            raise FileNotFoundError(f"directory: {self._directory} does not exist.")
+        self._take_lock()
+        try:
+            self._uncommitted = _check_layout(self._directory, self._roots)
+            for entry in self._uncommitted:
+                log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
+            handler = storage.StripedCheckpointHandler(
+                roots=list(self._roots), **(handler_options or {})
+            )
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            registry.add(STATE_ITEM, storage.StripedSave, handler)
+            registry.add(STATE_ITEM, storage.StripedRestore, handler)
+            policy_handler = PolicyStateHandler(
+                primary_host=options.multiprocessing_options.primary_host
+            )
+            registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
+            registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
+            self.orbax = ocp.CheckpointManager(
+                self._directory, options=options, handler_registry=registry
+            )
+            self._collect_garbage()
+            latest = self.latest_step()
+            if latest is not None:
+                self._load_policy(latest)
+        except BaseException:
+            self._release_lock()
+            raise
+        self._pending_loss: Any = None
+        self._restored_step: int | None = None
+        self._t_mark = clock()
+        self._timed = False
+
+    # -- lock -------------------------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        """Takes an exclusive ``flock`` on ``directory/.cocijax.lock`` (writers, primary only)."""
+        if self._read_only or not self._primary:
+            return
+        path = self._directory / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryLockedError(
+                f"directory: {self._directory} is open for writing by another CheckpointManager "
+                f"(lock {path}); close it first, or open this one with read_only options."
+            ) from None
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- listing ----------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        return self._directory
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """The external storage roots (empty when the data lives in the step directories)."""
+        return self._roots
+
+    @property
+    def policy_state(self) -> Any:
+        """The current policy state (a pytree of arrays)."""
+        return self._driver.state
+
+    @property
+    def measurements(self) -> Measurements:
+        """The inputs of the policy's last decision (see :class:`Measurements`)."""
+        loss, step_time, cost = self._driver.inputs
+        return Measurements(step_time, loss, cost, self._driver.cost_s)
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` returned (useful with ``fallback=True``)."""
+        return self._restored_step
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self.orbax.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return self.orbax.latest_step()
+
+    def item_directory(self, step: int) -> Path:
+        """The directory of the ``state`` item of ``step`` (holds the cocijax manifest)."""
+        return self._directory / self._name_format.build_name(step) / STATE_ITEM
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, loss: Any, force: bool = False) -> bool:
+        """Feeds one completed training step to the policy and saves if it says so.
+
+        Args:
+          step: the completed training step (1-based), larger than at the previous call.
+          state: the training state pytree (jax/NumPy arrays, scalars, optax/Flax states).
+          loss: the step's training loss: a number or a one-element (jax) array; NaN is fine.
+          force: save even if the policy says no. The policy still sees the step but is not
+            told about the forced save (its schedule does not change).
+
+        Returns:
+          True when a save was started (it completes asynchronously).
+
+        Raises:
+          ValueError: ``step`` is not larger than the latest saved step or the previous call's.
+          TypeError: ``loss`` is not a scalar number or array.
+        """
+        self._check_open()
+        if self._read_only:
+            raise ValueError(f"save: {self._directory} was opened with read_only options.")
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}.")
+        step = step.__index__()
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"step: {step} is not after the latest saved step {latest} in {self._directory}; "
+                "resume from latest_step() + 1, or delete() the newer steps first."
+            )
+        if self._driver.step is not None and step <= self._driver.step:
+            raise ValueError(
+                f"step: {step} is not after the previous call's step {self._driver.step}; "
+                "call save once per training step with increasing steps."
+            )
+        loss = stage_loss(loss)
+        previous_loss = self._driver.loss
+        if self._pending_loss is not None:
+            previous_loss = read_loss(self._pending_loss)  # the previous step: done or nearly
+        self._pending_loss = loss
+        self._driver.loss = previous_loss
+        step_time = self._driver.step_time_s  # the previous step's, see the class docstring
+        if math.isnan(step_time) and self._timed:
+            # Only the first step of a fresh directory was before this one, and it was not timed:
+            # the host-side time of this step is a better guess than "unknown".
+            step_time = self._clock() - self._t_mark
+        decided = self._driver.decide(step, loss=previous_loss, step_time_s=step_time)
+        # Measured after the decision: on a device that runs computations in order (CPU), the
+        # policy's update waits for this step's computation, so only now has the step ended.
+        # The first step of a session is not timed: it usually includes compilation.
+        if self._timed:
+            self._driver.step_time_s = self._clock() - self._t_mark
+        self._timed = True
+        saved = decided or force
+        if saved:
+            self._save(step, state, loss)
+        self._t_mark = self._clock()
+        return saved
+
+    def _save(self, step: int, state: Any, loss: Any) -> None:
+        # Wait for the step's own computation first: that is training time, not checkpoint cost.
+        jax.block_until_ready(state)
+        snapshot = self._driver.snapshot(loss)
+        measured: dict[str, float] = {}
+        ready = threading.Event()
+
+        def build() -> dict[str, Any]:
+            return self._driver.to_json(snapshot, cost_s=measured["cost_s"])
+
+        start = self._clock()
+        try:
+            self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
+            self._collect_garbage()
+            self._clear_uncommitted(step)
+            self.orbax.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE_ITEM: storage.StripedSave(state),
+                        POLICY_ITEM: PolicyStateSave(build=build, ready=ready),
+                    }
+                ),
+                force=True,
+            )
+        finally:
+            measured["cost_s"] = self._clock() - start
+            self._driver.cost_s = measured["cost_s"]
+            ready.set()
+
+    def _clear_uncommitted(self, step: int) -> None:
+        """Moves an unlisted (manifest-less) directory of ``step`` to the trash before reuse."""
+        if not self._primary:
+            return
+        for entry in [e for e in self._uncommitted if e.name == str(step)]:
+            trash = self._directory / TRASH_DIR
+            trash.mkdir(exist_ok=True)
+            target = trash / f"{entry.name}-uncommitted-{time.time_ns()}"
+            log.warning("moving uncommitted %s to %s before saving step %d", entry, target, step)
+            entry.rename(target)
+            self._uncommitted.remove(entry)
+
+    # -- garbage collection -----------------------------------------------------------------
+
+    def _collect_garbage(self) -> None:
+        """Empties the trash and removes stripe directories no committed step references.
+
+        Runs only on the primary process and only while no save is in flight (callers have
+        waited), so the only unreferenced stripes are those of deleted steps and of crashed
+        saves. Steps are read from disk, not from Orbax's cache, so a committed step's data is
+        never removed even if another tool listed it differently.
+        """
+        if self._read_only or not self._primary:
+            return
+        trash = self._directory / TRASH_DIR
+        if trash.is_dir():
+            for entry in trash.iterdir():
+                shutil.rmtree(entry, ignore_errors=True)
+        if not self._roots:
+            return
+        referenced: set[Path] = set()
+        for entry in self._directory.iterdir():
+            if _STEP_RE.match(entry.name):
+                referenced |= self._stripes_of(entry)
+        for root in self._roots:
+            for stripe_dir in storage.find_stripe_dirs(root):
+                if stripe_dir.resolve() not in referenced:
+                    log.info("removing unreferenced stripe directory %s", stripe_dir)
+                    shutil.rmtree(stripe_dir, ignore_errors=True)
+
+    def _stripes_of(self, step_dir: Path) -> set[Path]:
+        """Stripe directories a step references (empty if it is not committed), cached.
+
+        A committed manifest never changes, so it is read once per step directory and manifest
+        version (its modification time), not at every save.
+        """
+        manifest = step_dir / STATE_ITEM / storage.MANIFEST_NAME
+        try:
+            key = (str(step_dir), manifest.stat().st_mtime_ns)
+        except OSError:
+            return set()
+        if key not in self._stripe_cache:
+            try:
+                refs = storage.referenced_stripe_dirs(step_dir / STATE_ITEM)
+            except (ValueError, OSError, KeyError, TypeError):
+                refs = set()
+            self._stripe_cache[key] = {p.resolve() for p in refs}
+        return self._stripe_cache[key]
+
+    # -- restore ----------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, *, fallback: bool = False):
+        """Restores a step's state and continues the policy schedule from that step.
+
+        Args:
+          step: the step; None for the latest.
+          target: an abstract tree (``jax.ShapeDtypeStruct`` with shardings, or arrays) giving
+            the structure, dtypes and placement; None restores as saved.
+          fallback: if the step is damaged, restore the newest older step that is intact
+            instead (a warning names each step skipped; see :attr:`restored_step`).
+
+        Returns:
+          The restored state.
+
+        Raises:
+          FileNotFoundError: no such committed step (the message lists the available ones).
+          cocijax.storage.CorruptCheckpointError: the step is damaged (and ``fallback`` is
+            False or no intact older step exists).
+        """
+        self._check_open()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"restore: no committed step in {self._directory}.")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"restore: step {step} is not a committed step in {self._directory} "
+                f"(committed: {steps})."
+            )
+        candidates = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
+        skipped: list[int] = []
+        for candidate in candidates:
+            try:
+                restored = self.orbax.restore(
+                    candidate,
+                    args=ocp.args.Composite(**{STATE_ITEM: storage.StripedRestore(target)}),
+                )
+            except (storage.CorruptCheckpointError, storage.CheckpointFormatError) as e:
+                if not fallback or candidate == candidates[-1]:
+                    if skipped:
+                        e.add_note(f"restore: also damaged, skipped: steps {skipped}")
+                    raise
+                warnings.warn(
+                    f"restore: skipping damaged step {candidate}: {e}", RuntimeWarning,
+                    stacklevel=2,
+                )
+                skipped.append(candidate)
+                continue
+            self._load_policy(candidate)
+            self._restored_step = candidate
+            self._pending_loss = None
+            self._t_mark = self._clock()
+            self._timed = False
+            return restored[STATE_ITEM]
+        raise AssertionError("unreachable: the last candidate returns or raises")
+
+    def _load_policy(self, step: int) -> None:
+        """Adopts the policy state saved with ``step``; keeps the current one if it cannot."""
+        if self._read_only:
+            return  # a reader never saves: the schedule is of no use to it
+        where = self._directory / self._name_format.build_name(step) / POLICY_ITEM
+        try:
+            data = self.orbax.restore(
+                step, args=ocp.args.Composite(**{POLICY_ITEM: PolicyStateRestore()})
+            )[POLICY_ITEM]
+            self._driver.load_json(data, where=str(where))
+        except (ValueError, OSError, KeyError) as e:
+            warnings.warn(
+                f"policy state of step {step} not loaded ({e}); the policy keeps its current "
+                "state.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        # The saved step counts as seen: the next call must be after it.
+        self._driver.step = step
+
+    # -- delete, wait, close ----------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed step and, with external roots, its stripes.
+
+        Raises:
+          FileNotFoundError: ``step`` is not a committed step.
+        """
+        self._check_open()
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"delete: step {step} is not a committed step in {self._directory} "
+                f"(committed: {self.all_steps()})."
+            )
+        self.orbax.wait_until_finished()
+        self.orbax.delete(step)
+        self._collect_garbage()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the running save is committed (re-raises its error), then collects."""
+        self._check_open()
+        self.orbax.wait_until_finished()
+        self.orbax.check_for_errors()
+        self._collect_garbage()
+
+    def close(self) -> None:
+        """Waits for the running save, collects garbage, closes Orbax and releases the lock."""
+        if self._closed:
+            return
+        try:
+            self.orbax.wait_until_finished()
+            self._collect_garbage()
+            self.orbax.close()
+        finally:
+            self._closed = True
+            self._release_lock()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"CheckpointManager for {self._directory} is closed.")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self):
+        # A manager dropped without close() must not keep the directory locked; at interpreter
+        # exit the modules used here may already be gone, hence the broad guard.
+        try:  # noqa: SIM105
+            self._release_lock()
+        except Exception:
+            pass
+

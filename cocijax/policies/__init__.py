@@ -1,0 +1,31 @@
+"""Checkpoint policies: when to save, as pure ``init``/``update`` pairs.
+
+Example:
+  >>> import cocijax as cj
+  >>> policy = cj.policies.coci(mtbf_s=4 * 3600.0, recovery_s=60.0, time_weight=0.25)
+  >>> state = policy.init()
+  >>> save, state = policy.update(state, step=1, loss=2.3, step_time_s=0.5,
+  ...                             checkpoint_cost_s=8.0)
+"""
+
+from cocijax.policies._base import Policy
+from cocijax.policies._by_name import by_name
+from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
+from cocijax.policies._coci import CociState, coci
+from cocijax.policies._paper import coci_paper
+from cocijax.policies._plan import plan
+
+__all__ = [
+    "CociState",
+    "Policy",
+    "by_name",
+    "checkfreq",
+    "coci",
+    "coci_paper",
+    "daly",
+    "daly_interval",
+    "fixed",
+    "plan",
+    "young",
+    "young_interval",
+]

@@ -1,0 +1,171 @@
+"""The ``Policy`` type and the bookkeeping every policy shares.
+
+A policy is a pair of pure functions, optax style: ``init() -> state`` and
+``update(state, *, step, loss, step_time_s, checkpoint_cost_s) -> (save, state)``. ``step``
+counts completed training steps (1-based) and ``save`` means "checkpoint now, after this step".
+
+Step times and checkpoint costs are measured online by the caller and may vary from call to
+call, so policies smooth them with an exponential moving average (:class:`Clock`) instead of
+trusting one sample. A sample that is NaN/inf (or a non-positive step time, or a negative cost)
+is treated as missing: the smoothed value is kept. Until the first valid cost arrives, a policy
+assumes its ``cost_prior_s``.
+
+Every call to ``update`` stands for one training step of wall time. A ``step`` that does not
+exceed the largest one seen so far (a replay after a restore) is accepted: the time still counts
+as exposure since the last save, so the policy keeps saving during the replay, but its loss is not
+added to the convergence history again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Protocol
+
+import jax.numpy as jnp
+
+PolicyState = Any  # A pytree (NamedTuple) of jnp arrays.
+
+# Smoothing factors of the moving averages: step times jitter from step to step, checkpoint
+# costs are re-sent every step by a caller but change only when a save has been timed.
+STEP_TIME_ALPHA = 0.05
+COST_ALPHA = 0.05
+
+
+class InitFn(Protocol):
+    def __call__(self) -> PolicyState:
+        """Returns the initial state of the policy."""
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, state: PolicyState, *, step, loss, step_time_s, checkpoint_cost_s
+    ) -> tuple[jnp.ndarray, PolicyState]:
+        """Observes one completed step and decides whether to save after it.
+
+        Args:
+          state: the policy state.
+          step: completed training steps so far (1-based), int.
+          loss: the training loss of this step; NaN/inf are ignored.
+          step_time_s: measured seconds of this step (smoothed inside).
+          checkpoint_cost_s: latest measured stall of one save, in seconds (smoothed inside);
+            NaN when not measured yet.
+
+        Returns:
+          ``(save, new_state)`` with ``save`` a 0-d bool array.
+        """
+
+
+class Policy(NamedTuple):
+    """A checkpoint policy: pure ``init`` and ``update`` functions (``update`` is jit-safe).
+
+    Example:
+      >>> import cocijax as cj
+      >>> policy = cj.policies.young(mtbf_s=3600.0)
+      >>> state = policy.init()
+      >>> save, state = policy.update(state, step=1, loss=2.0, step_time_s=1.0,
+      ...                             checkpoint_cost_s=10.0)
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class Clock(NamedTuple):
+    """Smoothed step time and cost, and time since the last save."""
+
+    step_time: jnp.ndarray  # shape=(), float32, EMA of step seconds (NaN before a sample)
+    cost: jnp.ndarray  # shape=(), float32, EMA of save stall seconds (NaN before a sample)
+    elapsed: jnp.ndarray  # shape=(), float32, training seconds since init
+    since_save: jnp.ndarray  # shape=(), float32, training seconds since the last save
+    steps_since_save: jnp.ndarray  # shape=(), int32, calls since the last save
+    last_step: jnp.ndarray  # shape=(), int32, largest step seen (0 before any)
+
+
+def clock_init() -> Clock:
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    zero = jnp.zeros((), jnp.float32)
+    izero = jnp.zeros((), jnp.int32)
+    return Clock(nan, nan, zero, zero, izero, izero)
+
+
+def _ema(old, sample, valid, alpha):
+    sample = jnp.asarray(sample, jnp.float32)
+    new = jnp.where(jnp.isnan(old), sample, old + alpha * (sample - old))
+    return jnp.where(valid, new, old)
+
+
+def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s) -> tuple[Clock, jnp.ndarray]:
+    """Advances the clock by one step (before the save decision).
+
+    Returns:
+      The new clock and a bool telling whether ``step`` is new (larger than any seen before).
+    """
+    st = jnp.asarray(step_time_s, jnp.float32)
+    st_ok = jnp.isfinite(st) & (st > 0)
+    c = jnp.asarray(checkpoint_cost_s, jnp.float32)
+    c_ok = jnp.isfinite(c) & (c >= 0)
+    step_time = _ema(clock.step_time, st, st_ok, STEP_TIME_ALPHA)
+    cost = _ema(clock.cost, c, c_ok, COST_ALPHA)
+    # The real duration of this step when it is valid, else the smoothed one (1 s if none yet).
+    dt = jnp.where(st_ok, st, jnp.where(jnp.isnan(step_time), 1.0, step_time))
+    step = jnp.asarray(step, jnp.int32)
+    is_new = step > clock.last_step
+    return (
+        Clock(
+            step_time=step_time,
+            cost=cost,
+            elapsed=clock.elapsed + dt,
+            since_save=clock.since_save + dt,
+            steps_since_save=clock.steps_since_save + 1,
+            last_step=jnp.maximum(clock.last_step, step),
+        ),
+        is_new,
+    )
+
+
+def clock_saved(clock: Clock, save) -> Clock:
+    """Resets the since-save counters where ``save`` is true."""
+    return clock._replace(
+        since_save=jnp.where(save, 0.0, clock.since_save),
+        steps_since_save=jnp.where(save, 0, clock.steps_since_save),
+    )
+
+
+def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(step seconds, cost seconds) with priors where nothing was measured yet."""
+    tau = jnp.where(jnp.isnan(clock.step_time), 1.0, clock.step_time)
+    cost = jnp.where(jnp.isnan(clock.cost), cost_prior_s, clock.cost)
+    return tau, cost
+
+
+def check_positive(name: str, value: float) -> float:
+    """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}.") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    return v
+
+
+def check_unit(name: str, value: float) -> float:
+    """Returns ``float(value)`` if it is in [0, 1], else raises ``ValueError`` naming ``name``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}.") from None
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
+    return v
+
+
+def check_nonnegative(name: str, value: float) -> float:
+    """Returns ``float(value)`` if it is finite and >= 0, else raises ``ValueError``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}.") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")
+    return v

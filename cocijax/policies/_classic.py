@@ -1,0 +1,179 @@
+"""Time-based policies: fixed interval, Young, Daly and CheckFreq.
+
+Young and Daly save when the training time since the last save reaches their optimal interval,
+rounded to the nearest step (a save happens once the time left to the interval is under half a
+step), with the interval recomputed every call from the smoothed checkpoint cost.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from cocijax.policies import _base
+from cocijax.policies._base import Policy
+
+DEFAULT_COST_PRIOR_S = 10.0
+
+
+class ClassicState(NamedTuple):
+    clock: _base.Clock
+
+
+def young_interval(checkpoint_cost_s, mtbf_s):
+    """Young's first-order optimal interval ``sqrt(2 C M)`` in seconds (numpy or jax inputs)."""
+    return jnp.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
+
+
+def daly_interval(checkpoint_cost_s, mtbf_s):
+    """Daly's higher-order estimate of the optimal interval (seconds of work between saves).
+
+    ``sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + C / 18M) - C`` when ``C < 2M``, else ``M``.
+    """
+    c, m = checkpoint_cost_s, mtbf_s
+    x = c / (2.0 * m)
+    tau = jnp.sqrt(2.0 * c * m) * (1.0 + jnp.sqrt(x) / 3.0 + x / 9.0) - c
+    return jnp.where(c < 2.0 * m, tau, m)
+
+
+def _interval_policy(interval_fn, cost_prior_s: float) -> Policy:
+    def init():
+        return ClassicState(_base.clock_init())
+
+    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
+        del loss
+        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        tau, cost = _base.smoothed(clock, cost_prior_s)
+        save = clock.since_save >= interval_fn(cost) - 0.5 * tau
+        return save, ClassicState(_base.clock_saved(clock, save))
+
+    return Policy(init, update)
+
+
+def fixed(every: int) -> Policy:
+    """Saves after every step that is a multiple of ``every``.
+
+    Args:
+      every: interval in steps, a positive integer.
+
+    Returns:
+      A :class:`Policy`.
+
+    Raises:
+      ValueError: if ``every`` is not a positive integer.
+
+    Example:
+      >>> import numpy as np, cocijax as cj
+      >>> cj.plan(np.ones(10), cj.policies.fixed(4), step_time_s=1.0, checkpoint_cost_s=1.0)
+      array([4, 8])
+    """
+    if isinstance(every, bool) or not isinstance(every, int | float) or every != int(every) \
+            or every < 1:
+        raise ValueError(f"every must be a positive integer, got {every!r}.")
+    every = int(every)
+
+    def init():
+        return ClassicState(_base.clock_init())
+
+    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
+        del loss
+        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        save = (jnp.asarray(step, jnp.int32) % every) == 0
+        return save, ClassicState(_base.clock_saved(clock, save))
+
+    return Policy(init, update)
+
+
+def young(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+    """Young's rule: save every ``sqrt(2 C M)`` seconds of training.
+
+    Args:
+      mtbf_s: mean time between failures, seconds.
+      cost_prior_s: checkpoint cost assumed until the first measured one.
+
+    Returns:
+      A :class:`Policy`.
+
+    Raises:
+      ValueError: if an argument is not positive.
+
+    References:
+      Young, `A first order approximation to the optimum checkpoint interval
+      <https://doi.org/10.1145/361147.361115>`_, CACM 1974.
+    """
+    m = _base.check_positive("mtbf_s", mtbf_s)
+    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    return _interval_policy(lambda c: young_interval(c, m), cost_prior_s)
+
+
+def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+    """Daly's higher-order optimal interval (see :func:`daly_interval`).
+
+    Args:
+      mtbf_s: mean time between failures, seconds.
+      cost_prior_s: checkpoint cost assumed until the first measured one.
+
+    Returns:
+      A :class:`Policy`.
+
+    Raises:
+      ValueError: if an argument is not positive.
+
+    References:
+      Daly, `A higher order estimate of the optimum checkpoint interval for restart dumps
+      <https://doi.org/10.1016/j.future.2004.11.016>`_, FGCS 2006.
+    """
+    m = _base.check_positive("mtbf_s", mtbf_s)
+    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    return _interval_policy(lambda c: daly_interval(c, m), cost_prior_s)
+
+
+def checkfreq(max_overhead: float = 0.05, *,
+              cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+    """CheckFreq's rule: the most frequent interval whose stall stays under ``max_overhead``.
+
+    CheckFreq profiles the stall ``C`` of one save and the step time ``t`` and then raises the
+    interval until the measured stall overhead is at most ``max_overhead`` of training time; the
+    fixed point is ``k = max(ceil(C / (max_overhead * t)), 1)`` steps, recomputed here from the
+    smoothed measurements at every call.
+
+    Args:
+      max_overhead: allowed fraction of training time spent stalled, in ``(0, 1]``.
+      cost_prior_s: checkpoint cost assumed until the first measured one.
+
+    Returns:
+      A :class:`Policy`.
+
+    Raises:
+      ValueError: if ``max_overhead`` is not in ``(0, 1]``.
+
+    References:
+      Mohan, Phanishayee, Chidambaram, `CheckFreq: Frequent, fine-grained DNN checkpointing
+      <https://www.usenix.org/conference/fast21/presentation/mohan>`_, FAST 2021
+      (``src/cf_iterator.py`` of msr-fiddle/CheckFreq: ``_chk_freq`` grows by 2 while the
+      measured overhead exceeds ``max_overhead``).
+    """
+    mo = _base.check_positive("max_overhead", max_overhead)
+    if mo > 1.0:
+        raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead!r}.")
+    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+
+    def init():
+        return ClassicState(_base.clock_init())
+
+    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
+        del loss
+        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        tau, cost = _base.smoothed(clock, cost_prior_s)
+        every = jnp.maximum(jnp.ceil(cost / (mo * tau) - 1e-6), 1.0)
+        save = clock.steps_since_save.astype(jnp.float32) >= every
+        return save, ClassicState(_base.clock_saved(clock, save))
+
+    return Policy(init, update)
+
+
+def young_interval_np(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """Young's interval as a Python float (for tests and benchmarks)."""
+    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)

@@ -1,0 +1,287 @@
+"""TensorStore I/O for pieces: zarr3 specs, concurrent writes and reads, checksums, ``verify``.
+
+Every piece is a standard zarr v3 array (``zarr3`` driver on the ``file`` kvstore), so
+zarr-python reads it without cocijax. TensorStore does the concurrency; the Python side only
+issues every open/write/read at once and awaits them together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import os
+import pathlib
+import zlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+from orbax.checkpoint._src import asyncio_utils
+
+from cocijax.storage import _manifest
+from cocijax.storage._manifest import CorruptCheckpointError, Manifest, PieceRecord, Problem
+
+# zlib.crc32 releases the GIL; hashing in slices of this size lets two threads share a piece.
+_CRC_BLOCK = 16 << 20
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC-32 of the C-order bytes of ``array`` (zlib; ~2 GiB/s per core, measured)."""
+    data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    crc = 0
+    for i in range(0, len(data), _CRC_BLOCK):
+        crc = zlib.crc32(data[i : i + _CRC_BLOCK], crc)
+    return crc
+
+
+def make_context(concurrency: int) -> ts.Context:
+    """TensorStore context: ``concurrency`` parallel file operations, fsync on, no caching."""
+    return ts.Context(
+        {
+            "file_io_concurrency": {"limit": concurrency},
+            "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+            # fsyncs each chunk file and its directory before the write future completes.
+            "file_io_sync": True,
+            # Pieces are written once and read once: a cache only costs memory.
+            "cache_pool": {"total_bytes_limit": 0},
+        }
+    )
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[int]:
+    """Chunk grid for a piece: whole trailing dimensions, axis 0 cut to about ``chunk_bytes``."""
+    if not shape:
+        return []
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0], chunk_bytes // max(row, 1)))
+    return [rows, *shape[1:]]
+
+
+def write_spec(
+    path: pathlib.Path,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    chunk_bytes: int,
+    compression: str | None,
+    compression_level: int,
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, chunk_bytes)},
+        },
+    }
+    if compression == "zstd":
+        metadata["codecs"] = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "zstd", "configuration": {"level": compression_level}},
+        ]
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "metadata": metadata,
+        "create": True,
+        # Zero chunks must exist on disk too: reads refuse missing chunks (see read_spec).
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+def read_spec(path: pathlib.Path) -> dict[str, Any]:
+    # A missing chunk file must fail the read, not come back as zeros.
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "open": True,
+        "fill_missing_data_reads": False,
+    }
+
+
+async def gather_all(aws) -> list[Any]:
+    """``asyncio.gather`` that lets every task finish before raising the first error."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+async def write_piece(spec: dict[str, Any], data: np.ndarray, context: ts.Context) -> None:
+    array = await ts.open(spec, context=context)
+    await array.write(data, can_reference_source_data_indefinitely=True)
+
+
+def fsync_tree(top: pathlib.Path) -> None:
+    """fsyncs ``top``, every directory below it, and ``top``'s parent (which gained an entry)."""
+    for dirpath, _, _ in os.walk(top):
+        _manifest.fsync_dir(dirpath)
+    _manifest.fsync_dir(top.parent)
+
+
+def _leaf_name(manifest: Manifest, piece: PieceRecord) -> str:
+    return manifest.leaves[piece.leaf].path
+
+
+class PieceReader:
+    """Reads pieces of one manifest, each file at most once, verifying checksums.
+
+    Full pieces are read (and cached until :meth:`clear`) when checksums are verified, since a
+    CRC needs every byte; otherwise only the requested region of a piece is read.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        item_dir: pathlib.Path,
+        context: ts.Context,
+        pool: concurrent.futures.Executor,
+        *,
+        verify: bool,
+    ):
+        self._m = manifest
+        self._dir = item_dir
+        self._ctx = context
+        self._pool = pool
+        self._verify = verify and manifest.checksum is not None
+        self._files: dict[tuple[int, str], list[PieceRecord]] = {}
+        for p in manifest.pieces:
+            self._files.setdefault((p.root, p.file), []).append(p)
+        self._open: dict[tuple[int, str], asyncio.Future] = {}
+        self._full: dict[tuple[int, str], asyncio.Future] = {}
+
+    def _error(self, piece: PieceRecord, message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"Leaf {_leaf_name(self._m, piece)}: {message} in piece "
+            f"{self._m.piece_path(piece, self._dir)}."
+        )
+
+    async def _array(self, piece: PieceRecord) -> ts.TensorStore:
+        key = (piece.root, piece.file)
+        if key not in self._open:
+            self._open[key] = asyncio.ensure_future(
+                ts.open(read_spec(self._m.piece_path(piece, self._dir)), context=self._ctx)
+            )
+        try:
+            array = await self._open[key]
+        except Exception as e:  # TensorStore raises ValueError for most I/O failures.
+            raise self._error(piece, f"cannot open the zarr array ({e})") from e
+        expected = piece.shape if piece.offset is None else None
+        if expected is not None and tuple(array.shape) != expected:
+            raise self._error(piece, f"stored shape {tuple(array.shape)}, expected {expected}")
+        return array
+
+    async def _read_full(self, piece: PieceRecord) -> tuple[np.ndarray, dict[Any, str]]:
+        key = (piece.root, piece.file)
+        if key not in self._full:
+            self._full[key] = asyncio.ensure_future(self._load_and_check(piece))
+        return await self._full[key]
+
+    async def _load_and_check(self, piece: PieceRecord) -> tuple[np.ndarray, dict[Any, str]]:
+        """The whole file, and the checksum failures of its members (a pack holds many)."""
+        array = await self._array(piece)
+        try:
+            data = await array.read()
+        except Exception as e:
+            raise self._error(piece, f"cannot read the data ({e})") from e
+        bad: dict[Any, str] = {}
+        if self._verify:
+            loop = asyncio.get_running_loop()
+            members = self._files[(piece.root, piece.file)]
+            sums = await asyncio.gather(
+                *[loop.run_in_executor(self._pool, checksum, _member(data, m)) for m in members]
+            )
+            for m, got in zip(members, sums, strict=True):
+                if m.checksum is not None and got != m.checksum:
+                    bad[_ident(m)] = f"checksum mismatch (crc32 expected {m.checksum}, got {got})"
+        return data, bad
+
+    async def region(
+        self, piece: PieceRecord, start: tuple[int, ...], stop: tuple[int, ...]
+    ) -> np.ndarray:
+        """The part ``[start, stop)`` (global indices, inside the piece) of ``piece``."""
+        local = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, piece.start, strict=True))
+        if self._verify or piece.offset is not None:
+            data, bad = await self._read_full(piece)
+            if _ident(piece) in bad:
+                raise self._error(piece, bad[_ident(piece)])
+            return _member(data, piece)[local]
+        array = await self._array(piece)
+        try:
+            return await array[local].read()
+        except Exception as e:
+            raise self._error(piece, f"cannot read the data ({e})") from e
+
+    def files(self) -> dict[tuple[int, str], list[PieceRecord]]:
+        """Pieces grouped by the file holding them."""
+        return self._files
+
+    def forget(self, key: tuple[int, str]) -> None:
+        """Drops the cached data of one file."""
+        self._full.pop(key, None)
+        self._open.pop(key, None)
+
+
+def _ident(piece: PieceRecord) -> tuple[Any, ...]:
+    return (piece.leaf, piece.start, piece.offset)
+
+
+def _member(data: np.ndarray, piece: PieceRecord) -> np.ndarray:
+    if piece.offset is None:
+        return data
+    n = math.prod(piece.shape)
+    flat = data[piece.offset : piece.offset + n]
+    if flat.size != n:
+        raise CorruptCheckpointError(
+            f"packed array holds {data.size} elements, expected at least {piece.offset + n}"
+        )
+    return flat.reshape(piece.shape)
+
+
+def verify(item_dir: os.PathLike | str) -> list[Problem]:
+    """Checks every piece of a committed item against its manifest.
+
+    Reads every byte and recomputes the checksums; also catches missing files, unreadable zarr
+    metadata and wrong shapes. A missing or invalid manifest is reported as one problem with an
+    empty ``leaf_path``.
+
+    Args:
+      item_dir: the Orbax item directory.
+
+    Returns:
+      The problems found, one per defective piece; ``[]`` when the item is intact.
+
+    Example:
+      >>> assert cj.storage.verify(path / "default") == []  # doctest: +SKIP
+    """
+    item_dir = pathlib.Path(item_dir)
+    try:
+        manifest = _manifest.read_manifest(item_dir)
+    except _manifest.CheckpointFormatError as e:
+        return [Problem("", str(item_dir / _manifest.MANIFEST_NAME), str(e))]
+    context = make_context(16)
+    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        reader = PieceReader(manifest, item_dir, context, pool, verify=True)
+
+        limit = asyncio.Semaphore(8)
+
+        async def check(key: tuple[int, str], pieces: list[PieceRecord]) -> list[Problem]:
+            out = []
+            async with limit:
+                for piece in pieces:
+                    try:
+                        await reader.region(piece, piece.start, piece.stop)
+                    except CorruptCheckpointError as e:
+                        file = str(manifest.piece_path(piece, item_dir))
+                        out.append(Problem(_leaf_name(manifest, piece), file, str(e)))
+                # Bounded memory: at most `limit` whole files are held at once.
+                reader.forget(key)
+            return out
+
+        async def run() -> list[list[Problem]]:
+            return await asyncio.gather(*[check(k, v) for k, v in reader.files().items()])
+
+        found = asyncio_utils.run_sync(run())
+    return [p for problems in found for p in problems]

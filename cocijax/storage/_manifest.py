@@ -1,0 +1,362 @@
+"""The JSON manifest of a striped checkpoint: schema, atomic write, read, merge and GC helpers.
+
+The manifest is the commit record of a save. It lives in the Orbax item directory and is written
+last, after every piece it names is durable; a checkpoint without it is incomplete. It records the
+tree (key paths and leaf kinds), each leaf's dtype and global shape, and per piece the root index,
+the file (relative to its root), the global index range and a checksum of the logical bytes.
+
+Multi-process saves write one *part* per process (only the pieces that process wrote); the
+primary process merges the parts into the manifest in the handler's ``finalize``, which Orbax
+calls once every process's commit has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+MANIFEST_NAME = "cocijax_manifest.json"
+"""File name of the manifest inside an Orbax item directory."""
+
+PART_PREFIX = "cocijax_manifest.part-"
+STRIPE_PREFIX = "cocijax-stripe-"
+"""Every directory a save creates on a root starts with this, so GC can recognise our data."""
+
+FORMAT = "cocijax-striped-checkpoint"
+VERSION = 1
+
+
+class CheckpointFormatError(ValueError):
+    """The manifest is missing, is not valid JSON, or was not written by cocijax."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A piece named by the manifest is missing, truncated or fails its checksum."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One defect found by :func:`verify`.
+
+    Attributes:
+      leaf_path: key path of the affected leaf (``jax.tree_util.keystr`` form); ``""`` when the
+        defect is not tied to one leaf (e.g. an unreadable manifest).
+      file: the file or directory at fault.
+      message: what is wrong, expected vs found.
+    """
+
+    leaf_path: str
+    file: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+    """One leaf of the saved tree.
+
+    Attributes:
+      path: ``jax.tree_util.keystr`` of the leaf's key path.
+      keys: the key path as ``(kind, key)`` pairs, enough to rebuild nested dicts/lists.
+      kind: ``"jax"``, ``"numpy"``, ``"np_scalar"``, ``"bool"``, ``"int"`` or ``"float"``.
+      dtype: numpy dtype name for array kinds, ``None`` for Python scalars.
+      shape: global shape (``()`` for scalars).
+      value: the value itself for Python scalars (stored inline), else ``None``.
+    """
+
+    path: str
+    keys: tuple[tuple[str, Any], ...]
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...]
+    value: Any = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceRecord:
+    """One stored region of one leaf.
+
+    Attributes:
+      leaf: index into ``Manifest.leaves``.
+      root: index into ``Manifest.roots``.
+      file: zarr array directory relative to its root (``<stripe dir>/<name>``).
+      start: global index where the region starts, one entry per dimension.
+      stop: global index where the region stops (exclusive).
+      offset: for a packed piece, the element offset of this region inside the flat 1-D zarr
+        array that packs several small leaves; ``None`` when the zarr array holds exactly the
+        region with the leaf's rank.
+      checksum: CRC-32 of the region's C-order bytes, ``None`` when checksums were off.
+      process: index of the process that wrote it.
+    """
+
+    leaf: int
+    root: int
+    file: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    offset: int | None = None
+    checksum: int | None = None
+    process: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest (or manifest part).
+
+    Attributes:
+      version: format version.
+      checksum: checksum algorithm (``"crc32"``) or ``None``.
+      roots: absolute root directories; ``None`` stands for the item directory itself.
+      leaves: the tree's leaves in flattening order.
+      pieces: every stored region.
+    """
+
+    version: int
+    checksum: str | None
+    roots: tuple[str | None, ...]
+    leaves: tuple[LeafRecord, ...]
+    pieces: tuple[PieceRecord, ...]
+
+    def root_dir(self, index: int, item_dir: os.PathLike | str) -> pathlib.Path:
+        root = self.roots[index]
+        return pathlib.Path(item_dir) if root is None else pathlib.Path(root)
+
+    def piece_path(self, piece: PieceRecord, item_dir: os.PathLike | str) -> pathlib.Path:
+        return self.root_dir(piece.root, item_dir) / piece.file
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "checksum": self.checksum,
+            "roots": list(self.roots),
+            "leaves": [
+                {
+                    "path": leaf.path,
+                    "keys": [list(k) for k in leaf.keys],
+                    "kind": leaf.kind,
+                    "dtype": leaf.dtype,
+                    "shape": list(leaf.shape),
+                    "value": leaf.value,
+                }
+                for leaf in self.leaves
+            ],
+            "pieces": [
+                {
+                    "leaf": p.leaf,
+                    "root": p.root,
+                    "file": p.file,
+                    "start": list(p.start),
+                    "stop": list(p.stop),
+                    "offset": p.offset,
+                    "checksum": p.checksum,
+                    "process": p.process,
+                }
+                for p in self.pieces
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "<manifest>") -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointFormatError(
+                f"{source} is not a cocijax manifest: expected a JSON object with "
+                f"format={FORMAT!r}."
+            )
+        if data.get("version") != VERSION:
+            raise CheckpointFormatError(
+                f"{source} has format version {data.get('version')!r}; this cocijax reads "
+                f"version {VERSION}."
+            )
+        try:
+            leaves = tuple(
+                LeafRecord(
+                    path=d["path"],
+                    keys=tuple((k[0], k[1]) for k in d["keys"]),
+                    kind=d["kind"],
+                    dtype=d["dtype"],
+                    shape=tuple(d["shape"]),
+                    value=d.get("value"),
+                )
+                for d in data["leaves"]
+            )
+            pieces = tuple(
+                PieceRecord(
+                    leaf=d["leaf"],
+                    root=d["root"],
+                    file=d["file"],
+                    start=tuple(d["start"]),
+                    stop=tuple(d["stop"]),
+                    offset=d.get("offset"),
+                    checksum=d.get("checksum"),
+                    process=d.get("process", 0),
+                )
+                for d in data["pieces"]
+            )
+            return cls(
+                version=data["version"],
+                checksum=data["checksum"],
+                roots=tuple(data["roots"]),
+                leaves=leaves,
+                pieces=pieces,
+            )
+        except (KeyError, TypeError, IndexError) as e:
+            raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+    """Makes the entries of directory ``path`` durable (new files, renames)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: pathlib.Path, data: Any) -> None:
+    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _read_json(path: pathlib.Path) -> Manifest:
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise CheckpointFormatError(
+            f"No cocijax manifest at {path}: the checkpoint is incomplete or was not written "
+            "by StripedCheckpointHandler."
+        ) from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{path} is not valid JSON: {e}.") from e
+    return Manifest.from_json(data, source=str(path))
+
+
+def read_manifest(item_dir: os.PathLike | str) -> Manifest:
+    """Reads the manifest of a committed item.
+
+    Args:
+      item_dir: the Orbax item directory the handler saved into.
+
+    Returns:
+      The parsed :class:`Manifest`.
+
+    Raises:
+      CheckpointFormatError: the manifest is missing, not valid JSON, or not a cocijax manifest.
+
+    Example:
+      >>> m = read_manifest(path)  # doctest: +SKIP
+      >>> [leaf.path for leaf in m.leaves]  # doctest: +SKIP
+    """
+    return _read_json(pathlib.Path(item_dir) / MANIFEST_NAME)
+
+
+def part_path(item_dir: os.PathLike | str, process: int) -> pathlib.Path:
+    return pathlib.Path(item_dir) / f"{PART_PREFIX}{process}.json"
+
+
+def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
+    """Merges every process's manifest part into the manifest, then removes the parts.
+
+    Leaves come from the lowest process's part (all processes flatten the same tree); pieces are
+    the union of all parts, with root indices remapped by path so processes may list roots in any
+    order. Returns ``None`` when there is nothing to merge (already merged).
+
+    Raises:
+      CheckpointFormatError: the parts disagree on the tree, or some leaf is not fully covered.
+    """
+    item_dir = pathlib.Path(item_dir)
+    part_files = sorted(
+        item_dir.glob(f"{PART_PREFIX}*.json"), key=lambda p: int(p.stem[len(PART_PREFIX) :])
+    )
+    if not part_files:
+        return None
+    parts = [_read_json(p) for p in part_files]
+    first = parts[0]
+    roots: list[str | None] = []
+    pieces: list[PieceRecord] = []
+    for part, file in zip(parts, part_files, strict=True):
+        if [(x.path, x.dtype, x.shape) for x in part.leaves] != [
+            (x.path, x.dtype, x.shape) for x in first.leaves
+        ]:
+            raise CheckpointFormatError(
+                f"{file} describes a different tree than {part_files[0]}: every process must "
+                "save the same pytree structure, shapes and dtypes."
+            )
+        for piece in part.pieces:
+            root = part.roots[piece.root]
+            if root not in roots:
+                roots.append(root)
+            pieces.append(dataclasses.replace(piece, root=roots.index(root)))
+    merged = Manifest(
+        version=VERSION,
+        checksum=first.checksum,
+        roots=tuple(roots),
+        leaves=first.leaves,
+        pieces=tuple(pieces),
+    )
+    _check_coverage(merged, item_dir)
+    write_json_durably(item_dir / MANIFEST_NAME, merged.to_json())
+    for p in part_files:
+        p.unlink()
+    fsync_dir(item_dir)
+    return merged
+
+
+def _check_coverage(manifest: Manifest, item_dir: pathlib.Path) -> None:
+    # Pieces come from replica-0 shards, which never overlap, so equal volume means full cover.
+    covered = [0] * len(manifest.leaves)
+    for p in manifest.pieces:
+        covered[p.leaf] += math.prod(p.shape)
+    for leaf, n in zip(manifest.leaves, covered, strict=True):
+        if leaf.kind in ("bool", "int", "float"):
+            continue
+        if n != leaf.size:
+            raise CheckpointFormatError(
+                f"Leaf {leaf.path} in {item_dir}: the saved pieces cover {n} of {leaf.size} "
+                "elements; a process did not write its shards."
+            )
+
+
+def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:
+    """Stripe directories on external roots that a committed item uses.
+
+    Data stored inside the item directory itself (``roots=()``) is not listed: it goes away with
+    the item. Use with :func:`find_stripe_dirs` to find orphans left by interrupted saves.
+
+    Raises:
+      CheckpointFormatError: the item has no readable manifest.
+    """
+    manifest = read_manifest(item_dir)
+    dirs = set()
+    for p in manifest.pieces:
+        root = manifest.roots[p.root]
+        if root is not None:
+            dirs.add(pathlib.Path(root) / pathlib.PurePosixPath(p.file).parts[0])
+    return dirs
+
+
+def find_stripe_dirs(root: os.PathLike | str) -> list[pathlib.Path]:
+    """Every stripe directory cocijax wrote directly under ``root``, sorted; [] if none."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STRIPE_PREFIX))

@@ -1,0 +1,177 @@
+"""Every policy, table-driven: jit vs eager, purity, state shape, bad arguments, odd inputs."""
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cocijax as cj
+
+N = 120
+
+CASES = {
+    "fixed": lambda: cj.policies.fixed(7),
+    "young": lambda: cj.policies.young(mtbf_s=600.0),
+    "daly": lambda: cj.policies.daly(mtbf_s=600.0),
+    "checkfreq": lambda: cj.policies.checkfreq(max_overhead=0.2),
+    "coci": lambda: cj.policies.coci(mtbf_s=600.0, recovery_s=30.0, total_steps=N),
+    "coci_no_total": lambda: cj.policies.coci(mtbf_s=600.0),
+    "coci_paper": lambda: cj.policies.coci_paper(mtbf_s=600.0, profile_steps=20,
+                                                 fit_interval=50, time_unit_s=1.0),
+}
+# Built once: `plan` caches its compiled scan per policy object.
+POLICIES = {name: make() for name, make in CASES.items()}
+
+
+def _inputs(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    k = np.arange(1, n + 1)
+    losses = (2.0 + 3.0 / np.sqrt(k) + 0.02 * rng.standard_normal(n)).astype(np.float32)
+    losses[[5, 40]] = np.nan
+    losses[60] = np.inf
+    step_times = (1.0 + 0.1 * rng.random(n)).astype(np.float32)
+    costs = np.full(n, 4.0, np.float32)
+    costs[:3] = np.nan  # not measured yet
+    return losses, step_times, costs
+
+
+def _eager(policy, losses, step_times, costs, steps=None):
+    state = policy.init()
+    saves = []
+    steps = range(1, len(losses) + 1) if steps is None else steps
+    for s, loss, t, c in zip(steps, losses, step_times, costs, strict=True):
+        save, state = policy.update(state, step=s, loss=loss, step_time_s=t, checkpoint_cost_s=c)
+        saves.append(bool(save))
+    return np.flatnonzero(saves) + 1, state
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_jit_and_eager_decide_the_same(name):
+    losses, step_times, costs = _inputs()
+    eager, _ = _eager(POLICIES[name], losses, step_times, costs)
+    planned = cj.plan(losses, POLICIES[name], step_time_s=step_times, checkpoint_cost_s=costs)
+    np.testing.assert_array_equal(planned, eager)
+    assert planned.size > 0, "every policy should save at least once in this job"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_update_is_pure_and_state_is_arrays(name):
+    policy = POLICIES[name]
+    update = jax.jit(policy.update)
+    state = policy.init()
+    for s in range(1, 30):
+        _, state = update(state, step=s, loss=3.0 / s, step_time_s=1.0, checkpoint_cost_s=2.0)
+    before = jax.tree.map(np.asarray, state)
+    out1 = update(state, step=30, loss=0.1, step_time_s=1.0, checkpoint_cost_s=2.0)
+    out2 = update(state, step=30, loss=0.1, step_time_s=1.0, checkpoint_cost_s=2.0)
+    jax.tree.map(np.testing.assert_array_equal, out1, out2)
+    # The input state is untouched.
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state))
+    save = out1[0]
+    assert np.asarray(save).dtype == bool and np.asarray(save).shape == ()
+    for leaf in jax.tree.leaves(state):
+        assert isinstance(leaf, jax.Array)
+    assert type(state) is type(policy.init())
+
+
+@pytest.mark.parametrize("name", ["fixed", "young", "daly", "checkfreq", "coci", "coci_paper"])
+def test_by_name_builds_each_policy(name):
+    kwargs = {"fixed": {"every": 3}, "checkfreq": {}}.get(name, {"mtbf_s": 100.0})
+    policy = cj.policies.by_name(name, **kwargs)
+    assert isinstance(policy, cj.policies.Policy)
+    save, _ = policy.update(policy.init(), step=3, loss=1.0, step_time_s=1.0,
+                            checkpoint_cost_s=1.0)
+    assert np.asarray(save).dtype == bool
+
+
+def test_by_name_rejects_unknown_names_and_arguments():
+    with pytest.raises(ValueError, match=r"'nope'.*checkfreq"):
+        cj.policies.by_name("nope")
+    with pytest.raises(ValueError, match="young"):
+        cj.policies.by_name("young", mtbf=1.0)
+    assert isinstance(cj.policies.by_name("COCI-paper", mtbf_s=5.0), cj.policies.Policy)
+
+
+def test_coci_has_a_default_mtbf():
+    assert isinstance(cj.policies.coci(), cj.policies.Policy)
+
+
+BAD = [
+    (cj.policies.fixed, {"every": 0}, "every"),
+    (cj.policies.fixed, {"every": 2.5}, "every"),
+    (cj.policies.young, {"mtbf_s": 0.0}, "mtbf_s"),
+    (cj.policies.young, {"mtbf_s": -1.0}, "mtbf_s"),
+    (cj.policies.daly, {"mtbf_s": math.inf}, "mtbf_s"),
+    (cj.policies.checkfreq, {"max_overhead": 0.0}, "max_overhead"),
+    (cj.policies.checkfreq, {"max_overhead": 1.5}, "max_overhead"),
+    (cj.policies.coci, {"mtbf_s": math.nan}, "mtbf_s"),
+    (cj.policies.coci, {"recovery_s": -1.0}, "recovery_s"),
+    (cj.policies.coci, {"time_weight": 1.5}, "time_weight"),
+    (cj.policies.coci, {"time_weight": -0.1}, "time_weight"),
+    (cj.policies.coci, {"total_steps": 0}, "total_steps"),
+    (cj.policies.coci, {"min_weight": 2.0}, "min_weight"),
+    (cj.policies.coci, {"refit_every": 0}, "refit_every"),
+    (cj.policies.coci_paper, {"mtbf_s": 0.0}, "mtbf_s"),
+    (cj.policies.coci_paper, {"mtbf_s": 1.0, "fit_interval": 1}, "fit_interval"),
+    (cj.policies.young, {"mtbf_s": 1.0, "cost_prior_s": -1.0}, "cost_prior_s"),
+]
+
+
+@pytest.mark.parametrize(("ctor", "kwargs", "param"), BAD)
+def test_constructors_reject_bad_arguments_naming_them(ctor, kwargs, param):
+    with pytest.raises(ValueError, match=param):
+        ctor(**kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(mtbf=st.floats(allow_nan=True, allow_infinity=True), tw=st.floats(allow_nan=True))
+def test_coci_arguments_are_validated(mtbf, tw):
+    mtbf_ok = math.isfinite(mtbf) and mtbf > 0
+    tw_ok = 0.0 <= tw <= 1.0
+    if mtbf_ok and tw_ok:
+        assert isinstance(cj.policies.coci(mtbf_s=mtbf, time_weight=tw), cj.policies.Policy)
+    else:
+        with pytest.raises(ValueError, match="mtbf_s" if not mtbf_ok else "time_weight"):
+            cj.policies.coci(mtbf_s=mtbf, time_weight=tw)
+
+
+LOSSES = hnp.arrays(
+    np.float32, 64,
+    elements=st.one_of(st.floats(-1e6, 1e6, width=32),
+                       st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1e30])))
+
+
+@settings(max_examples=25, deadline=None)
+@given(losses=LOSSES, name=st.sampled_from(sorted(CASES)),
+       cost=st.sampled_from([0.0, 0.5, 5.0, np.nan]))
+def test_any_losses_give_increasing_in_range_saves(losses, name, cost):
+    saves = cj.plan(losses, POLICIES[name], step_time_s=1.0, checkpoint_cost_s=cost)
+    assert saves.dtype == np.int64
+    assert np.all(np.diff(saves) > 0)
+    assert saves.size == 0 or (saves[0] >= 1 and saves[-1] <= losses.size)
+
+
+def test_replayed_steps_keep_saving_but_are_not_refitted():
+    """Documented behaviour: a repeated/decreasing step counts as time, not as new history."""
+    policy = POLICIES["coci_no_total"]
+    update = jax.jit(policy.update)
+    steps = list(range(1, 81)) + list(range(41, 121))  # a restore to step 40, then replay
+    state = policy.init()
+    saves = []
+    for s in steps:
+        save, state = update(state, step=s, loss=2.0 + 1.0 / s, step_time_s=1.0,
+                             checkpoint_cost_s=1.0)
+        saves.append(bool(save))
+    assert int(state.history.count) == 120  # 1..120 once each, not 160
+    assert int(state.clock.last_step) == 120
+    assert float(state.clock.elapsed) == pytest.approx(160.0)
+    assert any(saves[80:120]), "the policy must keep saving while replaying old steps"
+
+    young = POLICIES["young"]
+    ref, _ = _eager(young, np.ones(160), np.ones(160), np.full(160, 2.0))
+    got, _ = _eager(young, np.ones(160), np.ones(160), np.full(160, 2.0), steps=steps)
+    np.testing.assert_array_equal(got, ref)  # time-based rules ignore the step number

@@ -1,0 +1,308 @@
+"""What every public entry point does with bad input; one test (or parameter set) per README row.
+
+The README's "Bad input" table names the test behind each row. Errors must name the parameter
+(or leaf path, or file) so that the message alone says what to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import item_dir
+
+import cocijax as cj
+from cocijax import cli, storage
+
+pytestmark = pytest.mark.xdist_group("reliability-mounts")
+
+P = cj.policies
+
+# -- policies -------------------------------------------------------------------------------
+
+
+_POSITIVE = [-1.0, 0.0, math.nan, math.inf, "1h", None]
+_NON_NEGATIVE = [-1.0, -1e-9, math.nan, math.inf, "2m", None]
+_FACTORIES = {
+    "fixed-every": (lambda v: P.fixed(v), "every", [0, -2, 1.5, "3", None]),
+    "young-mtbf": (lambda v: P.young(v), "mtbf_s", _POSITIVE),
+    "daly-mtbf": (lambda v: P.daly(v), "mtbf_s", _POSITIVE),
+    "coci-mtbf": (lambda v: P.coci(mtbf_s=v), "mtbf_s", _POSITIVE),
+    "coci-recovery": (lambda v: P.coci(recovery_s=v), "recovery_s", _NON_NEGATIVE),
+    "coci-time-weight": (lambda v: P.coci(time_weight=v), "time_weight", [-0.1, 1.5, math.nan]),
+    "young-cost-prior": (lambda v: P.young(3600.0, cost_prior_s=v), "cost_prior_s",
+                         _NON_NEGATIVE),
+    "checkfreq-overhead": (lambda v: P.checkfreq(v), "max_overhead", [*_POSITIVE, 2.0]),
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "param", "value"),
+    [(make, param, v) for make, param, values in _FACTORIES.values() for v in values],
+    ids=[f"{k}={v!r}" for k, (_, _, values) in _FACTORIES.items() for v in values],
+)
+def test_policy_factories_reject_bad_numbers(make, param: str, value: Any) -> None:
+    with pytest.raises((ValueError, TypeError), match=param):
+        make(value)
+
+
+def test_policy_by_name_unknown() -> None:
+    with pytest.raises(ValueError, match="coci"):
+        P.by_name("cocci")
+
+
+@pytest.mark.parametrize("name", ["coci", "young", "checkfreq"])
+def test_policy_update_treats_nan_inf_negative_inputs_as_missing(name: str) -> None:
+    """NaN/inf losses, negative costs and non-positive step times change nothing under jit."""
+    policy = P.by_name(name, **({} if name == "checkfreq" else {"mtbf_s": 600.0}))
+    update = jax.jit(policy.update)
+    rng = np.random.default_rng(0)
+    bad_rows = {5, 9, 13, 21}
+    states = {"bad": policy.init(), "missing": policy.init()}
+    decisions: dict[str, list[bool]] = {"bad": [], "missing": []}
+    for step in range(1, 40):
+        loss = float(2.0 / step + 0.01 * rng.standard_normal())
+        row = {"loss": loss, "step_time_s": 1.0, "checkpoint_cost_s": 5.0}
+        variants = {"bad": row, "missing": row}
+        if step in bad_rows:
+            bad = [math.nan, math.inf, -math.inf][step % 3]
+            variants = {
+                "bad": {"loss": bad, "step_time_s": -1.0, "checkpoint_cost_s": -5.0},
+                "missing": {"loss": math.nan, "step_time_s": math.nan,
+                            "checkpoint_cost_s": math.nan},
+            }
+        for key, inputs in variants.items():
+            save, states[key] = update(states[key], step=step, **inputs)
+            decisions[key].append(bool(save))
+    assert decisions["bad"] == decisions["missing"]
+    for a, b in zip(jax.tree.leaves(states["bad"]), jax.tree.leaves(states["missing"]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(np.all(np.isfinite(np.asarray(x)) | np.isnan(np.asarray(x)))
+               for x in jax.tree.leaves(states["bad"]))
+
+
+def test_plan_rejects_2d_losses() -> None:
+    with pytest.raises(ValueError, match="losses"):
+        P.plan(np.ones((3, 3)), P.fixed(2), step_time_s=1.0, checkpoint_cost_s=1.0)
+
+
+def test_save_decision_policy_rejects_wrong_types() -> None:
+    with pytest.raises(TypeError, match="policy"):
+        cj.SaveDecisionPolicy("coci")
+    with pytest.raises(TypeError, match="metric"):
+        cj.SaveDecisionPolicy(P.fixed(1), metric=1)
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needle"),
+    [
+        (["verify", "{missing}"], None, "{missing}"),
+        (["ls", "{missing}"], None, "{missing}"),
+        (["plan", "{missing}", "--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
+         "{missing}"),
+        (["plan", "{csv}", "--mtbf", "4h", "--ckpt-cost", "-20s", "--step-time", "1s"], 2,
+         "ckpt-cost"),
+        (["plan", "{csv}", "--mtbf", "0", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
+         "mtbf"),
+        (["plan", "{csv}", "--mtbf", "soon", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
+         "mtbf"),
+        (["verify", "{foreign}"], None, "{foreign}"),
+    ],
+    ids=["verify-missing-dir", "ls-missing-dir", "plan-missing-csv", "plan-negative-cost",
+         "plan-zero-mtbf", "plan-bad-duration", "verify-foreign-dir"],
+)
+def test_cli_bad_input_is_one_line_without_traceback(
+    tmp_path: Path, capsys, argv: list[str], code: int | None, needle: str
+) -> None:
+    csv = tmp_path / "losses.csv"
+    csv.write_text("step,loss\n" + "".join(f"{i},{3.0 / i}\n" for i in range(1, 50)))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    subst = {"{missing}": str(tmp_path / "nope"), "{csv}": str(csv), "{foreign}": str(foreign)}
+    argv = [subst.get(a, a) for a in argv]
+    status = cli.main(argv)
+    err = capsys.readouterr().err
+    assert status != 0 and (code is None or status == code), (status, err)
+    assert subst.get(needle, needle) in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- CheckpointManager and the striped handler ------------------------------------------------
+
+
+def _tree() -> dict[str, Any]:
+    return {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.asarray(3, np.int32)}
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+@pytest.fixture
+def mngr(tmp_path: Path):
+    with cj.CheckpointManager(tmp_path / "ckpt", roots=[tmp_path / "r0", tmp_path / "r1"],
+                              policy=P.fixed(1000)) as m:
+        yield m
+
+
+def test_manager_creates_missing_directory_and_roots(tmp_path: Path) -> None:
+    directory, root = tmp_path / "a" / "b" / "ckpt", tmp_path / "x" / "root"
+    with cj.CheckpointManager(directory, roots=[root], policy=P.fixed(1)) as m:
+        assert m.save(1, _tree(), loss=1.0)
+    assert directory.is_dir() and root.is_dir()
+
+
+@pytest.mark.parametrize("bad", [123, None, 1.5], ids=["int", "none", "float"])
+def test_manager_rejects_wrong_directory_type(bad: Any) -> None:
+    with pytest.raises(TypeError):
+        cj.CheckpointManager(bad, policy=P.fixed(1))
+
+
+def test_manager_rejects_directory_that_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises((ValueError, OSError), match=str(f)):
+        cj.CheckpointManager(f, policy=P.fixed(1))
+
+
+def test_manager_rejects_wrong_policy_type(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="policy"):
+        cj.CheckpointManager(tmp_path / "ckpt", policy="coci")
+
+
+def test_manager_rejects_duplicate_roots(tmp_path: Path) -> None:
+    root = tmp_path / "r0"
+    with pytest.raises(ValueError, match="r0"):
+        cj.CheckpointManager(tmp_path / "ckpt", roots=[root, tmp_path / "." / "r0"],
+                             policy=P.fixed(1))
+
+
+def test_manager_rejects_directory_written_by_something_else(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    (d / "7").mkdir(parents=True)
+    (d / "7" / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=str(d / "7")):
+        cj.CheckpointManager(d, policy=P.fixed(1))
+
+
+@pytest.mark.parametrize("step", ["3", 1.5, True, None], ids=["str", "float", "bool", "none"])
+def test_save_rejects_wrong_step_type(mngr, step: Any) -> None:
+    with pytest.raises(TypeError, match="step"):
+        mngr.save(step, _tree(), loss=1.0)
+
+
+def test_save_rejects_step_not_after_latest(mngr) -> None:
+    assert mngr.save(5, _tree(), loss=1.0, force=True)
+    mngr.wait_until_finished()
+    for step in (5, 4):
+        with pytest.raises(ValueError, match=f"step: {step}"):
+            mngr.save(step, _tree(), loss=1.0, force=True)
+    assert mngr.all_steps() == [5]
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, jnp.asarray(math.nan)],
+                         ids=["nan", "inf", "-inf", "jax-nan"])
+def test_save_with_nan_inf_loss_still_saves_and_decides(mngr, loss: Any) -> None:
+    for step in range(1, 4):
+        mngr.save(step, _tree(), loss=loss)
+    assert mngr.save(4, _tree(), loss=loss, force=True)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [4]
+    assert math.isnan(mngr.measurements.loss) or math.isinf(mngr.measurements.loss)
+
+
+@pytest.mark.parametrize(("loss", "error"), [("x", TypeError), (None, TypeError),
+                                             (np.ones(2), ValueError)],
+                         ids=["str", "none", "vector"])
+def test_save_rejects_wrong_loss(mngr, loss: Any, error: type) -> None:
+    with pytest.raises(error, match="loss"):
+        mngr.save(1, _tree(), loss=loss)
+
+
+def test_save_rejects_unsupported_leaf_naming_its_path(mngr) -> None:
+    tree = {"ok": np.ones(2, np.float32), "bad": {"leaf": object()}}
+    with pytest.raises(TypeError, match="bad"):
+        mngr.save(1, tree, loss=1.0, force=True)
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == []
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda t: {**t, "w": jax.ShapeDtypeStruct((4, 3), np.float32)}, "w"),
+        (lambda t: {**t, "w": jax.ShapeDtypeStruct((3, 4), np.int32)}, "w"),
+        (lambda t: {"w": t["w"]}, "n"),
+        (lambda t: {**t, "extra": jax.ShapeDtypeStruct((2,), np.float32)}, "extra"),
+    ],
+    ids=["shape", "dtype", "missing-leaf", "extra-leaf"],
+)
+def test_restore_into_mismatched_target_names_the_leaf(mngr, change, needle: str) -> None:
+    assert mngr.save(1, _tree(), loss=1.0, force=True)
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError, match=needle):
+        mngr.restore(1, target=change(_abstract(_tree())))
+
+
+def test_restore_missing_step_lists_committed_ones(mngr) -> None:
+    with pytest.raises(FileNotFoundError, match="no committed step"):
+        mngr.restore()
+    assert mngr.save(2, _tree(), loss=1.0, force=True)
+    mngr.wait_until_finished()
+    with pytest.raises(FileNotFoundError, match=r"\[2\]"):
+        mngr.restore(3)
+    with pytest.raises(FileNotFoundError, match="step 3"):
+        mngr.delete(3)
+
+
+def test_handler_rejects_duplicate_and_file_roots(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="r0"):
+        cj.StripedCheckpointHandler(roots=[tmp_path / "r0", tmp_path / "r0"])
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises((ValueError, OSError), match=str(f)):
+        cj.StripedCheckpointHandler(roots=[f])
+
+
+@pytest.fixture
+def read_only_root(tmp_path: Path):
+    """A read-only tmpfs: root ignores permission bits, so only a read-only mount stops it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_read_only_root_fails_at_construction(tmp_path: Path, read_only_root: Path) -> None:
+    with pytest.raises(ValueError, match=str(read_only_root)):
+        cj.StripedCheckpointHandler(roots=[tmp_path / "ok", read_only_root])
+    with pytest.raises(ValueError, match=str(read_only_root)):
+        cj.CheckpointManager(tmp_path / "ckpt", roots=[tmp_path / "ok", read_only_root],
+                             policy=P.fixed(1))
+
+
+def test_storage_read_manifest_of_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(storage.CheckpointFormatError, match=str(tmp_path / "nope")):
+        storage.read_manifest(tmp_path / "nope")
+    assert item_dir(tmp_path, 1).name  # the helper itself does not touch the disk

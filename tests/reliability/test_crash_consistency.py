@@ -1,0 +1,165 @@
+"""Fault injection: SIGKILL a Flax training process at random instants and in every save phase.
+
+Each trial is one run of ``_trainer.py`` on the same checkpoint directory (two roots, async
+saves, a save every 2 steps, ``max_to_keep=3`` so garbage collection runs too). A run first
+checks what the previous, killed run left (see the trainer's docstring), proves that training
+continues and saves again, then arms its fault and is killed. The run after the last trial only
+checks. A trial passes when its kill landed and the check after it found no problem.
+
+Phases, hit deterministically by wrapping a function in the trainer's own process (``at``-th call,
+kill ``delay_s`` after the call started, so mid-way through it):
+
+* ``train``: in a training step, while the previous async save may still be writing;
+* ``d2h``: the device-to-host snapshot that ``save`` blocks on (one array copy of several);
+* ``write``: TensorStore writes of the pieces (up to 10 ms into a piece's write);
+* ``fsync``: the fsync of a stripe directory, after the writes;
+* ``manifest``: the durable write (tmp file, fsync, rename) of a manifest part or the manifest;
+* ``merge``: the merge of the manifest parts into the manifest (the handler's ``finalize``);
+* ``finalize``: Orbax's commit, the rename of the temporary step directory;
+* ``gc``: ``shutil.rmtree`` of the manager's garbage collection (old steps' stripes, trash);
+* ``random``: the parent kills at a uniformly random instant of the armed run.
+
+``COCIJAX_CRASH_TRIALS`` sets the number of trials (default 30, split over two chains that
+xdist can run in parallel); ``COCIJAX_CRASH_SEED`` the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import HERE, child_env, read_jsonl
+
+TRIALS = int(os.environ.get("COCIJAX_CRASH_TRIALS", "30"))
+SEED = int(os.environ.get("COCIJAX_CRASH_SEED", "20261122"))
+CHAINS = 2
+
+# phase -> (function wrapped in the trainer, range of the call that kills, delay range in s).
+PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] | None] = {
+    "train": ("__main__:pause", (1, 8), (0.0, 0.01)),
+    "d2h": (
+        [
+            "cocijax.storage._handler:_host_copy",
+            "cocijax.storage._handler:_copy_into",
+            "cocijax.storage._handler:_copy_to_host",
+        ],
+        (1, 12),
+        (0.0, 0.0),
+    ),
+    "write": ("cocijax.storage._io:write_piece", (1, 12), (0.0, 0.01)),
+    "fsync": ("cocijax.storage._io:fsync_tree", (1, 6), (0.0, 0.002)),
+    "manifest": ("cocijax.storage._manifest:write_json_durably", (1, 6), (0.0, 0.001)),
+    "merge": ("cocijax.storage._manifest:merge_parts", (1, 4), (0.0, 0.001)),
+    "finalize": (
+        "orbax.checkpoint._src.path.atomicity:AtomicRenameTemporaryPath.finalize",
+        (1, 4),
+        (0.0, 0.0),
+    ),
+    "gc": ("shutil:rmtree", (1, 3), (0.0, 0.002)),
+    "random": None,
+}
+
+
+def _fault(phase: str, rng: random.Random) -> dict[str, Any] | None:
+    spec = PHASES[phase]
+    if spec is None:
+        return None
+    target, (lo, hi), (dlo, dhi) = spec
+    return {"target": target, "at": rng.randint(lo, hi), "delay_s": rng.uniform(dlo, dhi)}
+
+
+def _run(cfg: dict[str, Any], *, kill_after_armed: float | None, timeout: float = 120.0):
+    """Runs one trainer; returns (exit status, seconds from ARMED to exit, stderr tail)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_trainer.py"), json.dumps(cfg)],
+        cwd=HERE,
+        env=child_env(1, PYTHONPATH=str(HERE)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    armed_at = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == "ARMED":
+                armed_at = time.monotonic()
+                if kill_after_armed is not None:
+                    time.sleep(kill_after_armed)
+                    proc.send_signal(signal.SIGKILL)
+                break
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise
+    ran = time.monotonic() - armed_at if armed_at is not None else float("nan")
+    return proc.returncode, ran, err[-3000:]
+
+
+@pytest.mark.parametrize("chain", range(CHAINS))
+def test_sigkill_at_random_instants_loses_nothing_committed(tmp_path: Path, chain: int) -> None:
+    rng = random.Random(SEED * 1000 + chain)
+    n = TRIALS // CHAINS + (1 if chain < TRIALS % CHAINS else 0)
+    phases = list(PHASES)
+    # Every targeted phase once per round, interleaved with as many random-instant kills.
+    targeted = [p for p in phases if PHASES[p] is not None]
+    schedule = [q for p in targeted for q in (p, "random")]
+    schedule = schedule[chain:] + schedule[:chain]
+    cfg: dict[str, Any] = {
+        "directory": str(tmp_path / "ckpt"),
+        "roots": [str(tmp_path / "root0"), str(tmp_path / "root1")],
+        "digests": str(tmp_path / "digests.jsonl"),
+        "results": str(tmp_path / "results.jsonl"),
+        "seed": 7 + chain,
+        "width": 384,
+        "every": 2,
+        "max_to_keep": 3,
+        "steps": 12,
+        "step_sleep_s": 0.01,
+        "compilation_cache": str(tmp_path / "jax-cache"),
+    }
+    trials: list[dict[str, Any]] = []
+    armed_runtime = 1.0  # seconds; refined from runs that were not killed by the parent
+    for i in range(n):
+        phase = schedule[i % len(schedule)]
+        fault = _fault(phase, rng)
+        delay = rng.uniform(0.0, armed_runtime) if fault is None else None
+        before = len(read_jsonl(Path(cfg["results"])))
+        status, ran, err = _run({**cfg, "fault": fault}, kill_after_armed=delay)
+        records = read_jsonl(Path(cfg["results"]))[before:]
+        assert records and records[0]["kind"] == "check", f"trial {i} ({phase}): no check: {err}"
+        trials.append({"phase": phase, "fault": fault, "delay": delay, "status": status})
+        # The check of this run covers the previous trial's kill.
+        assert records[0]["problems"] == [], (trials[-2:], records[0])
+        resumed = [r for r in records if r["kind"] == "resumed"]
+        assert resumed and resumed[0]["listed"], (
+            f"trial {i}: training did not continue and save again after the kill: {err}"
+        )
+        if fault is not None:
+            assert status == -signal.SIGKILL, (
+                f"trial {i}: phase {phase!r} ({fault}) was never reached (exit {status}): {err}"
+            )
+        elif status != -signal.SIGKILL:
+            armed_runtime = max(0.2, ran)  # the run ended before the kill: aim earlier next time
+    final, _, err = _run(cfg, kill_after_armed=None)
+    assert final == 0, err
+    last_checks = [r for r in read_jsonl(Path(cfg["results"])) if r["kind"] == "check"]
+    assert last_checks[-1]["problems"] == [], last_checks[-1]
+    assert last_checks[-1]["bit_exact"] is True
+    killed = sum(t["status"] == -signal.SIGKILL for t in trials)
+    by_phase = {p: sum(t["phase"] == p for t in trials) for p in phases}
+    bit_exact = sum(bool(r.get("bit_exact")) for r in last_checks)
+    print(
+        f"\ncrash consistency chain {chain}: {len(trials)} trials, {killed} killed by SIGKILL, "
+        f"per phase {by_phase}; {len(last_checks)} checks, 0 problems, "
+        f"{bit_exact} bit-exact restores"
+    )

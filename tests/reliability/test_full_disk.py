@@ -1,0 +1,109 @@
+"""A root that fills up in the middle of an async save.
+
+One root is an 8 MiB tmpfs mounted by the test (skipped unless root can mount), the other a
+directory on the test's disk. After two good saves the tmpfs is filled with a ballast file until
+it has room for about half of the next save's stripe, so the next save runs out of space while
+TensorStore writes it, in the background. The error must surface from ``wait_until_finished()``
+or the next ``save`` and name the root; the earlier steps stay intact; the failed step is never
+listed; once the ballast is removed (the operator frees space) the next save succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conftest import item_dir
+
+import cocijax as cj
+from cocijax import storage
+
+pytestmark = pytest.mark.xdist_group("reliability-mounts")
+
+
+def _state(step: int) -> dict[str, Any]:
+    """About 2 MiB of float32 in a few leaves, so each root gets roughly 1 MiB per save."""
+    rng = np.random.default_rng(step)
+    return {f"layer{i}": rng.standard_normal((128, 1024)).astype(np.float32) for i in range(4)}
+
+
+def _abstract() -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state(0))
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _stripe_bytes_on(root: Path, directory: Path, step: int) -> int:
+    total = 0
+    for d in storage.referenced_stripe_dirs(item_dir(directory, step)):
+        if Path(d).resolve().is_relative_to(root.resolve()):
+            total += sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+    return total
+
+
+def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
+    directory = tmp_path / "ckpt"
+    full_root = small_tmpfs / "root"
+    roots = [str(full_root), str(tmp_path / "disk_root")]
+    with cj.CheckpointManager(
+        directory, roots=roots, policy=cj.policies.fixed(1), max_to_keep=10
+    ) as mngr:
+        for step in (1, 2):
+            assert mngr.save(step, _state(step), loss=1.0, force=True)
+        mngr.wait_until_finished()
+        share = _stripe_bytes_on(full_root, directory, 2)
+        assert share > 256 * 1024, f"the tmpfs root got only {share} bytes of step 2"
+
+        # Leave room for about half of the next stripe on the tmpfs root.
+        ballast = small_tmpfs / "ballast"
+        with open(ballast, "wb") as f:
+            f.write(b"\0" * max(0, _free_bytes(small_tmpfs) - share // 2))
+        assert _free_bytes(small_tmpfs) < share
+
+        error, raised_by = None, None
+        try:
+            mngr.save(3, _state(3), loss=1.0, force=True)
+        except Exception as e:  # the handler's choice of type; the message is what matters
+            error, raised_by = e, "save"
+        else:
+            try:
+                mngr.wait_until_finished()
+            except Exception as e:
+                error, raised_by = e, "wait_until_finished"
+        assert error is not None, "filling the root raised nothing"
+        message = str(error)
+        print(f"full root error from {raised_by}(): {type(error).__name__}: {message}")
+        assert str(full_root) in message, message
+
+        assert 3 not in list(mngr.all_steps())
+        assert list(mngr.all_steps()) == [1, 2]
+        for step in (1, 2):
+            assert storage.verify(item_dir(directory, step)) == []
+            restored = mngr.restore(step, target=_abstract())
+            for k, v in _state(step).items():
+                np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+        ballast.unlink()
+        assert mngr.save(4, _state(4), loss=1.0, force=True)
+        mngr.wait_until_finished()
+        assert list(mngr.all_steps()) == [1, 2, 4]
+        restored = mngr.restore(4, target=_abstract())
+        for k, v in _state(4).items():
+            np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+    # A new process opening the directory sees the same committed steps and no stray stripes.
+    with cj.CheckpointManager(directory, roots=roots, policy=cj.policies.fixed(1)) as mngr:
+        assert list(mngr.all_steps()) == [1, 2, 4]
+        referenced = set()
+        for step in mngr.all_steps():
+            referenced |= {Path(p).resolve() for p in
+                           storage.referenced_stripe_dirs(item_dir(directory, step))}
+        on_disk = {Path(p).resolve() for r in roots for p in storage.find_stripe_dirs(r)}
+        assert on_disk == referenced

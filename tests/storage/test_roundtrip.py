@@ -1,0 +1,192 @@
+"""Round trips through the three Orbax entry points, every leaf kind, sharding and re-sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+import zarr
+from conftest import assert_tree_equal
+from flax import linen as nn
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cocijax as cj
+
+
+def _abstract(tree):
+    """ShapeDtypeStruct for jax arrays (keeping their sharding), other leaves unchanged."""
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        tree,
+    )
+
+
+def _every_kind():
+    return {
+        "f32": jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
+        "bf16": (jnp.arange(6, dtype=jnp.float32) / 7).astype(jnp.bfloat16),
+        "i8": jnp.array([-3, 4], jnp.int8),
+        "bool": jnp.array([True, False]),
+        "scalar0d": jnp.float32(3.5),
+        "np": np.linspace(0, 1, 5),
+        "np_bf16": np.ones((2, 2), jnp.bfloat16),
+        "np_scalar": np.int16(-7),
+        "complex": np.array([1 + 2j], np.complex64),
+        "py": [1, 2.5, True, -(2**62)],
+        "empty": np.zeros((0, 3), np.float32),
+        "big": jnp.ones((300, 1000), jnp.float32),  # above small_bytes: a split piece
+    }
+
+
+@pytest.mark.parametrize("entry", ["checkpointer", "async"])
+def test_every_leaf_kind_round_trips(tmp_path, roots, entry):
+    state = _every_kind()
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1 << 16, piece_bytes=1 << 19)
+    make = ocp.Checkpointer if entry == "checkpointer" else ocp.AsyncCheckpointer
+    with make(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        if entry == "async":
+            ckptr.wait_until_finished()
+        restored = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(_abstract(state)))
+        as_numpy = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
+    assert_tree_equal(state, restored)
+    assert isinstance(as_numpy["f32"], np.ndarray) and as_numpy["py"] == state["py"]
+    np.testing.assert_array_equal(as_numpy["big"], np.ones((300, 1000), np.float32))
+    # The big leaf was split and spread over both roots.
+    m = cj.storage.read_manifest(tmp_path / "ckpt")
+    big = [p for p in m.pieces if m.leaves[p.leaf].path == "['big']"]
+    assert len(big) > 1 and {p.root for p in big} == {0, 1}
+
+
+def test_optax_and_flax_train_state_round_trip(tmp_path):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 4)))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = state.apply_gradients(grads=grads)  # non-zero Adam moments, step=1
+    handler = cj.StripedCheckpointHandler()  # roots=(): data inside the item directory
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        restored = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(_abstract(state)))
+        # An abstract state from eval_shape turns the Python step into a 0-d int32 spec.
+        from_eval_shape = ckptr.restore(
+            tmp_path / "ckpt", args=cj.StripedRestore(jax.eval_shape(lambda: state))
+        )
+    assert isinstance(restored, train_state.TrainState)
+    assert isinstance(restored.opt_state[0], optax.ScaleByAdamState)
+    assert_tree_equal(state, restored)
+    assert restored.step == 1 and isinstance(restored.step, int)
+    assert isinstance(from_eval_shape.step, jax.Array) and int(from_eval_shape.step) == 1
+    assert_tree_equal(state.params, from_eval_shape.params)
+    # Everything lives in the item directory; no external stripe directories referenced.
+    assert cj.storage.referenced_stripe_dirs(tmp_path / "ckpt") == set()
+    assert len(cj.storage.find_stripe_dirs(tmp_path / "ckpt")) == 1
+
+
+def test_checkpoint_manager_with_handler_registry(tmp_path, roots):
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("state", cj.StripedSave, cj.StripedCheckpointHandler(roots))
+    registry.add("state", cj.StripedRestore, cj.StripedCheckpointHandler(roots))
+    state = {"w": jnp.arange(10.0), "step": 3}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(
+        tmp_path / "run", handler_registry=registry, options=options
+    ) as mngr:
+        for step in range(3):
+            mngr.save(step, args=ocp.args.Composite(state=cj.StripedSave({**state, "step": step})))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        got = mngr.restore(2, args=ocp.args.Composite(state=cj.StripedRestore()))
+    np.testing.assert_array_equal(got["state"]["w"], np.arange(10.0))
+    assert got["state"]["step"] == 2
+    item = tmp_path / "run" / "2" / "state"
+    assert cj.storage.verify(item) == []
+    on_roots = {d for r in roots for d in cj.storage.find_stripe_dirs(r)}
+    assert cj.storage.referenced_stripe_dirs(item) <= on_roots
+
+
+def test_sharded_save_on_8_restores_on_4_and_1(tmp_path, roots):
+    assert len(jax.devices()) == 8, "tests/conftest.py simulates 8 CPU devices"
+    mesh8 = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    x = jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48)
+    y = jnp.arange(40, dtype=jnp.bfloat16)
+    state = {
+        "x": jax.device_put(x, NamedSharding(mesh8, P("data", "model"))),
+        "y": jax.device_put(y, NamedSharding(mesh8, P())),  # replicated: written once
+    }
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        ckptr.wait_until_finished()
+        m = cj.storage.read_manifest(tmp_path / "ckpt")
+        assert len([p for p in m.pieces if m.leaves[p.leaf].path == "['y']"]) == 1
+        assert len([p for p in m.pieces if m.leaves[p.leaf].path == "['x']"]) == 8
+        mesh4 = Mesh(np.array(jax.devices()[:4]), ("d",))
+        mesh1 = Mesh(np.array(jax.devices()[5:6]), ("d",))
+        for mesh, spec in [(mesh4, P(None, "d")), (mesh4, P("d")), (mesh1, P())]:
+            sharding = NamedSharding(mesh, spec)
+            target = {
+                "x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                "y": jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sharding if spec == P() else
+                                          NamedSharding(mesh, P())),
+            }  # fmt: skip
+            got = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(target))
+            assert got["x"].sharding == sharding
+            assert {d.id for d in got["x"].devices()} == {d.id for d in mesh.devices.flat}
+            np.testing.assert_array_equal(np.asarray(got["x"]), np.asarray(x))
+            np.testing.assert_array_equal(np.asarray(got["y"]), np.asarray(y))
+            for shard in got["x"].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])
+
+
+def test_zarr_python_reads_a_piece_without_cocijax(tmp_path, roots):
+    w = np.random.default_rng(0).standard_normal((256, 130)).astype(np.float32)
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024, compression="zstd")
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave({"w": w}))
+    m = cj.storage.read_manifest(tmp_path / "ckpt")
+    assert len(m.pieces) == 2
+    for piece in m.pieces:
+        arr = zarr.open_array(str(m.piece_path(piece, tmp_path / "ckpt")), mode="r")
+        region = tuple(slice(a, b) for a, b in zip(piece.start, piece.stop, strict=True))
+        np.testing.assert_array_equal(arr[...], w[region])
+
+
+def test_two_saves_never_share_a_file(tmp_path, roots):
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024)
+    state = {"a": np.ones((64, 64), np.float32), "b": np.zeros(3)}
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "one", args=cj.StripedSave(state))
+        ckptr.save(tmp_path / "two", args=cj.StripedSave(state))
+        ckptr.wait_until_finished()
+    files = []
+    for name in ("one", "two"):
+        m = cj.storage.read_manifest(tmp_path / name)
+        files.append({m.piece_path(p, tmp_path / name) for p in m.pieces})
+    assert files[0] and files[1] and not files[0] & files[1]
+    dirs = [cj.storage.referenced_stripe_dirs(tmp_path / n) for n in ("one", "two")]
+    assert not dirs[0] & dirs[1]
+    assert {d for r in roots for d in cj.storage.find_stripe_dirs(r)} == dirs[0] | dirs[1]
+
+
+def test_checksums_off_still_round_trips(tmp_path):
+    state = {"w": np.arange(100_000, dtype=np.float32)}
+    handler = cj.StripedCheckpointHandler(checksums=False, small_bytes=1024, piece_bytes=1 << 16)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        got = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
+    np.testing.assert_array_equal(got["w"], state["w"])
+    m = cj.storage.read_manifest(tmp_path / "ckpt")
+    assert m.checksum is None and all(p.checksum is None for p in m.pieces)
