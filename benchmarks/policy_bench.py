@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 import cocijax as cj
+from cocijax.policies import _convergence
 
 ROOT = Path(__file__).resolve().parents[1]
 CURVES = ROOT.parent / "shared" / "loss_curves"
@@ -100,6 +101,33 @@ def run_case(y, sc, trials, seed):
             best = (s, r)
     sched["hindsight"], res["hindsight"] = best
     return res, sched, w
+
+
+FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75)
+
+
+def forecast_errors(y: np.ndarray) -> list[float]:
+    """Error of the forecast drop still to come, as a fraction of the curve's whole drop.
+
+    At each fraction f of the job the convergence model is fitted on the first f n points (as
+    ``coci`` does online) and its forecast drop to step n is compared with the true drop of the
+    hindsight envelope (centred moving average, best so far). Negative = too little forecast.
+    """
+    n = y.size
+    h = max(3, n // 200)
+    ok = np.isfinite(y)
+    cs = np.concatenate([[0.0], np.cumsum(np.where(ok, y, 0.0))])
+    cc = np.concatenate([[0], np.cumsum(ok)])
+    lo, hi = np.clip(np.arange(n) - h, 0, n), np.clip(np.arange(n) + h + 1, 0, n)
+    env = np.minimum.accumulate((cs[hi] - cs[lo]) / np.maximum(cc[hi] - cc[lo], 1))
+    out = []
+    for f in FRACTIONS:
+        m = max(8, int(f * n))
+        fit = _convergence.fit_points(np.arange(1, m + 1), y[:m])
+        pred = (float(_convergence.predict(fit, m) - _convergence.predict(fit, n))
+                if bool(fit.ok) else 0.0)
+        out.append((pred - (env[m - 1] - env[-1])) / (env[0] - env[-1]))
+    return out
 
 
 def update_cost_us(calls: int = 2000) -> dict[str, float]:
@@ -216,7 +244,7 @@ def main() -> None:
         raise SystemExit(f"No loss curves found under {CURVES}.")
     console = Console(width=180)
     t_start = time.perf_counter()
-    cases, best_case, rows = [], None, []
+    cases, best_case, rows, fc_rows = [], None, [], []
     for seed, path in enumerate(paths):
         y = load_curve(path)
         for sname, sc in SCENARIOS.items():
@@ -237,6 +265,8 @@ def main() -> None:
             rows.append(row)
             if sname == "A" and (best_case is None or row["hred"] > best_case[0]):
                 best_case = (row["hred"], (path.stem, sname, y, sched))
+        row_fc = forecast_errors(y)
+        fc_rows.append((path.stem, row_fc))
     elapsed = time.perf_counter() - t_start
     cost = update_cost_us()
 
@@ -279,6 +309,15 @@ def main() -> None:
     for t in targets:
         summary.add_row(*t)
     console.print(summary)
+    fc = Table(title="forecast error of the drop still to come / whole drop, at fraction of job")
+    fc.add_column("curve")
+    for f in FRACTIONS:
+        fc.add_column(f"{f:g}", justify="right")
+    for name, errs in fc_rows:
+        fc.add_row(name[:34], *(f"{e:+.2f}" for e in errs))
+    med = np.median(np.abs([e for _, e in fc_rows]), axis=0)
+    fc.add_row("median |error|", *(f"{e:.2f}" for e in med))
+    console.print(fc)
     console.print(f"update cost (median us/call): {cost}; cases ran in {elapsed:.0f} s")
 
     if args.no_write:
@@ -311,6 +350,14 @@ def main() -> None:
     lines += ["", "Targets (issue 2), `coci(time_weight=0.25, total_steps=n)`:", "",
               "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets]
+    lines += ["", "Forecast error of the convergence model (forecast drop still to come minus "
+              "the hindsight drop, over the whole drop; fitted on the first f of the curve, "
+              "negative = too little):", "",
+              "| curve | " + " | ".join(f"f={f:g}" for f in FRACTIONS) + " |",
+              "|---|" + "---|" * len(FRACTIONS)]
+    lines += [f"| {name} | " + " | ".join(f"{e:+.2f}" for e in errs) + " |"
+              for name, errs in fc_rows]
+    lines += ["| median abs | " + " | ".join(f"{e:.2f}" for e in med) + " |"]
     lines += ["", "`update` cost, median of 1900 jitted eager calls incl. the host sync: "
                   + ", ".join(f"{k} {v:.0f} µs" for k, v in cost.items()) + ".",
               "", "![policy benchmark](docs/policy_bench.png)"]

@@ -159,7 +159,7 @@ def _run_case(case: dict) -> dict:
     else:
         n_roots = int(case["method"].split("-")[1])
         roots = [work / f"root{i}" for i in range(n_roots)]
-        make = lambda: cj.StripedCheckpointHandler(roots)  # noqa: E731
+        make = lambda: cj.StripedCheckpointHandler(roots)
         save_args, restore_args = cj.StripedSave, cj.StripedRestore
     with ocp.AsyncCheckpointer(make()) as ckptr:
         warm = {"w": jax.numpy.ones((256, 256))}
@@ -240,19 +240,15 @@ def _machine(dirs: dict[str, str]) -> list[str]:
 
 
 def _filesystem(path: str) -> str:
-    best = ("", "?", "?")
+    """``fstype on device (mounted at ...)`` for the mount holding ``path``."""
     real = os.path.realpath(path)
+    best = ("", "?", "?")
     with open("/proc/mounts") as f:
         for line in f:
             dev, mnt, fstype = line.split()[:3]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(
-                best[0]
-            ):
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) > len(best[0]):
                 best = (mnt, dev, fstype)
-    return f"{fstype_desc(best)}"
-
-
-def fstype_desc(best) -> str:
     mnt, dev, fstype = best
     return f"{fstype} on {dev} (mounted at {mnt})"
 
@@ -304,7 +300,9 @@ def _targets(results: dict, trees: list[str], loc: str) -> list[str]:
     for t in trees:
         memcpy = get(t, "seq", "memcpy_s")
         worst = max(get(t, m, "blocking_s") / memcpy for m in METHODS[2:])
-        out.append(_verdict(f"({t}) blocking <= 2x one host memcpy (worst roots)", worst, 2.0, "le"))
+        out.append(
+            _verdict(f"({t}) blocking <= 2x one host memcpy (worst roots)", worst, 2.0, "le")
+        )
     for t in trees:
         m = best[t]
         x = get(t, m, "restore_s") and get(t, "orbax", "restore_s") / get(t, m, "restore_s")
@@ -351,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tmpfs", default="/dev/shm", help="tmpfs directory for the second pass, or 'none'"
     )
     parser.add_argument("--trees", default="abc", help="subset of the trees a, b, c")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per case (median kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case (median kept)")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     parser.add_argument("--_case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -367,14 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.tmpfs != "none" and os.path.isdir(args.tmpfs):
         locations["tmpfs"] = args.tmpfs
     trees = list(args.trees)
-    results = {}
-    for loc, base in locations.items():
-        for tree in trees:
-            for method in METHODS:
-                case = {"tree": tree, "method": method, "quick": args.quick, "base": base}
-                runs = [_one(case) for _ in range(args.repeat)]
-                results[(loc, tree, method)] = _median(runs)
-                console.log(f"{loc} ({tree}) {method}: {results[(loc, tree, method)]}")
+    runs: dict[tuple[str, str, str], list[dict]] = {}
+    # Repeats outermost: on a shared machine, load drifts; interleaving spreads it evenly.
+    for rep in range(args.repeat):
+        for loc, base in locations.items():
+            for tree in trees:
+                for method in METHODS:
+                    case = {"tree": tree, "method": method, "quick": args.quick, "base": base}
+                    result = _one(case)
+                    runs.setdefault((loc, tree, method), []).append(result)
+                    console.log(f"[{rep + 1}/{args.repeat}] {loc} ({tree}) {method}: {result}")
+    results = {key: _median(r) for key, r in runs.items()}
 
     rows = _fmt_rows(results, trees, list(locations))
     table = Table(title="write_bench" + (" (--quick)" if args.quick else ""))

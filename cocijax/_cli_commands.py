@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -154,7 +155,8 @@ def plan(args: argparse.Namespace) -> int:
         f"{_units.format_duration(job_s)} job\nMTBF {_units.format_duration(args.mtbf)} "
         f"({shape}), checkpoint {_units.format_duration(args.ckpt_cost)}, recovery "
         f"{_units.format_duration(args.recovery)}, time weight {args.time_weight:g}, "
-        f"{args.trials} simulated jobs per policy"
+        f"{args.trials} simulated jobs per policy",
+        markup=False,
     )
     table = Table(title="Expected overhead per policy (lower is better)")
     table.add_column("policy")
@@ -174,7 +176,7 @@ def plan(args: argparse.Namespace) -> int:
     out.print(table)
     if args.plot is not None:
         plot_plan(history, rows, args.plot)
-        out.print(f"wrote {args.plot}")
+        out.print(f"wrote {args.plot}", markup=False)
     return 0
 
 
@@ -303,9 +305,9 @@ def ls(args: argparse.Namespace) -> int:
     steps = find_steps(args.directory)
     out = _stdout()
     if not steps:
-        out.print(f"{args.directory}: no checkpoints")
+        out.print(f"{args.directory}: no checkpoints", markup=False)
         return 0
-    table = Table(title=str(args.directory))
+    table = Table(title=escape(str(args.directory)))
     for name, justify in (("step", "right"), ("size", "right"), ("time", "left"),
                           ("verified", "left")):
         table.add_column(name, justify=justify)

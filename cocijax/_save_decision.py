@@ -80,6 +80,27 @@ class SaveDecisionPolicy:
         """The current policy state (a pytree of arrays)."""
         return self._driver.state
 
+    def state_json(self) -> dict[str, Any]:
+        """The policy state and measurements as a JSON-serialisable dict.
+
+        Save it with your checkpoint (e.g. as an ``ocp.args.JsonSave`` item) and give it to
+        :meth:`load_state_json` after a restart, so that the schedule continues.
+        """
+        return self._driver.to_json(self._driver.snapshot(self._observed_prev),
+                                    cost_s=self._driver.cost_s)
+
+    def load_state_json(self, data: dict[str, Any]) -> None:
+        """Adopts a :meth:`state_json` document; the next step decided must follow its step.
+
+        Raises:
+          ValueError: ``data`` was written by something else or by a different policy.
+        """
+        self._driver.load_json(data, where="SaveDecisionPolicy.load_state_json")
+        self._observed_prev = self._driver.loss  # the saved step's loss, due at the next decision
+        self._t_prev = None
+        self._saved_prev = False
+        self._decision = None
+
     def observe(self, loss: Any) -> None:
         """Reports the loss of the step that the next ``should_save`` decides on.
 

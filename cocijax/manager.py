@@ -19,17 +19,14 @@ deletion never leaves a listed step with half its files; the manager empties tha
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import logging
 import math
 import os
-import re
 import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,19 +34,23 @@ import jax
 import orbax.checkpoint as ocp
 
 from cocijax import storage
+from cocijax._manager_dir import (
+    POLICY_ITEM,
+    STATE_ITEM,
+    STEP_RE,
+    TRASH_DIR,
+    DirectoryLock,
+    DirectoryLockedError,
+    check_layout,
+    merge_options,
+)
 from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
 from cocijax._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 
+# DirectoryLockedError is defined next to the lock and re-exported here, where users meet it.
 __all__ = ["CheckpointManager", "DirectoryLockedError", "Measurements"]
 
 log = logging.getLogger(__name__)
-
-STATE_ITEM = "state"
-POLICY_ITEM = "policy"
-TRASH_DIR = ".cocijax-deleted"
-LOCK_FILE = ".cocijax.lock"
-_STEP_RE = re.compile(r"^\d+$")
-_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class Measurements(NamedTuple):
@@ -59,103 +60,6 @@ class Measurements(NamedTuple):
     loss: float  # the loss it saw (the previous step's: losses are read one step late)
     cost_estimate_s: float  # checkpoint cost it was given (NaN before the first save)
     last_save_s: float  # blocking time of the most recent save (NaN before the first)
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another ``CheckpointManager`` (in this or another process) writes to the directory."""
-
-
-def _is_committed(step_dir: Path) -> bool:
-    """A step is committed when its ``state`` manifest is present and valid."""
-    try:
-        storage.read_manifest(step_dir / STATE_ITEM)
-    except (ValueError, OSError, KeyError, TypeError):
-        return False
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class _CommittedStepFormat:
-    """Orbax ``NameFormat`` that lists only steps with a valid cocijax manifest.
-
-    Orbax lists every directory named like a step; a step whose manifest is missing or invalid
-    (corruption, a foreign tool) must not be listed, restored or counted by ``max_to_keep``.
-    """
-
-    inner: Any = dataclasses.field(default_factory=ocp.path.step.standard_name_format)
-
-    def build_name(self, step: int) -> str:
-        return self.inner.build_name(step)
-
-    def find_all(self, base_path: Any) -> Iterator[Any]:
-        return (m for m in self.inner.find_all(base_path) if _is_committed(Path(m.path)))
-
-    def find_step(self, base_path: Any, step: int) -> Any:
-        metadata = self.inner.find_step(base_path, step)
-        if not _is_committed(Path(metadata.path)):
-            raise ValueError(f"{metadata.path}: step {step} has no valid cocijax manifest.")
-        return metadata
-
-
-def _check_layout(directory: Path, roots: Sequence[Path]) -> list[Path]:
-    """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
-
-    Allowed: step directories holding a ``state`` item, Orbax temporary directories, our lock
-    and trash, stripe directories (when ``directory`` is also a root) and hidden files.
-    """
-    stripes = set()
-    if directory in roots:
-        stripes = {p.resolve() for p in storage.find_stripe_dirs(directory)}
-    uncommitted = []
-    for entry in sorted(directory.iterdir()):
-        name = entry.name
-        if name.startswith(".") or _TMP_MARK in name or entry.resolve() in stripes:
-            continue
-        if _STEP_RE.match(name) and entry.is_dir():
-            if not (entry / STATE_ITEM).is_dir():
-                raise ValueError(
-                    f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
-                    "item; it was not written by cocijax. Use an empty or cocijax-only directory."
-                )
-            if not _is_committed(entry):
-                uncommitted.append(entry)
-            continue
-        raise ValueError(
-            f"directory: {entry} was not written by cocijax (expected only step directories). "
-            "Use an empty or cocijax-only directory."
-        )
-    return uncommitted
-
-
-def _merge_options(
-    options: ocp.CheckpointManagerOptions | None, **shortcuts: Any
-) -> ocp.CheckpointManagerOptions:
-    options = options or ocp.CheckpointManagerOptions()
-    for name, value in shortcuts.items():
-        if value is None:
-            continue
-        current = getattr(options, name)
-        if current is not None and current != value:
-            raise ValueError(
-                f"{name}: given as {value!r} and as {current!r} in options; give it once."
-            )
-        options = dataclasses.replace(options, **{name: value})
-    unsupported = ("save_decision_policy", "should_save_fn", "step_name_format", "best_fn",
-                   "step_prefix", "step_format_fixed_length", "save_on_steps")
-    for name in unsupported:
-        if getattr(options, name):  # None or empty (Orbax turns save_on_steps into a set)
-            raise ValueError(
-                f"options.{name}: not supported by cocijax.CheckpointManager (the policy decides "
-                "when to save, and step directories keep Orbax's plain numeric names); leave it "
-                "unset."
-            )
-    return dataclasses.replace(
-        options,
-        step_name_format=_CommittedStepFormat(),
-        cleanup_tmp_directories=not options.read_only,
-        todelete_subdir=TRASH_DIR,
-        create=not options.read_only,
-    )
 
 
 class CheckpointManager:
@@ -233,9 +137,9 @@ class CheckpointManager:
         self._roots = tuple(Path(r).absolute() for r in roots) if roots else ()
         self._clock = clock
         self._closed = False
-        self._lock_fd: int | None = None
+        self._lock: DirectoryLock | None = None
         self._stripe_cache: dict[tuple[str, int], set[Path]] = {}
-        options = _merge_options(
+        options = merge_options(
             options,
             max_to_keep=max_to_keep,
             keep_period=keep_period,
@@ -250,9 +154,11 @@ class CheckpointManager:
             self._directory.mkdir(parents=True, exist_ok=True)
         elif not self._directory.is_dir():
             raise FileNotFoundError(f"directory: {self._directory} does not exist.")
-        self._take_lock()
+        if not self._read_only and self._primary:
+            self._lock = DirectoryLock(self._directory)
+            self._lock.acquire()
         try:
-            self._uncommitted = _check_layout(self._directory, self._roots)
+            self._uncommitted = check_layout(self._directory, self._roots)
             for entry in self._uncommitted:
                 log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
             handler = storage.StripedCheckpointHandler(
@@ -283,27 +189,9 @@ class CheckpointManager:
 
     # -- lock -------------------------------------------------------------------------------
 
-    def _take_lock(self) -> None:
-        """Takes an exclusive ``flock`` on ``directory/.cocijax.lock`` (writers, primary only)."""
-        if self._read_only or not self._primary:
-            return
-        path = self._directory / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DirectoryLockedError(
-                f"directory: {self._directory} is open for writing by another CheckpointManager "
-                f"(lock {path}); close it first, or open this one with read_only options."
-            ) from None
-        self._lock_fd = fd
-
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -467,7 +355,7 @@ class CheckpointManager:
             return
         referenced: set[Path] = set()
         for entry in self._directory.iterdir():
-            if _STEP_RE.match(entry.name):
+            if STEP_RE.match(entry.name):
                 referenced |= self._stripes_of(entry)
         for root in self._roots:
             for stripe_dir in storage.find_stripe_dirs(root):

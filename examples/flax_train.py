@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=0.5, help="std of the pixel noise")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=None, metavar="STEP",
-                   help="SIGKILL this process right after STEP, as a crash would (for tests)")
+                   help="after STEP, wait for the saves in flight to commit, then SIGKILL "
+                        "this process (a crash with a known newest checkpoint; for tests)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"this save blocked {ms(m.last_save_s)})"
                     )
                 if step == args.kill_at:
+                    # Let the saves in flight commit, so the run dies with a known newest step.
+                    mngr.wait_until_finished()
                     console.file.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
                 if step % 50 == 0 or step == args.steps:

@@ -5,8 +5,8 @@
     python examples/torch_train.py                      # ...and resumes from the latest save
 
 The data set (1,797 8x8 images) ships inside scikit-learn, so this runs offline on a CPU in
-well under a minute. The MTBF defaults to two minutes, far shorter than any real cluster's, so
-that the policy takes several checkpoints within a short demo.
+about a minute (2 cores). The MTBF defaults to two minutes, far shorter than any real
+cluster's, so that the policy takes several checkpoints within a short demo.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def load_data(seed: int = 0):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default="checkpoints/torch_digits",
-                        help="checkpoint directory (default: checkpoints/torch_digits)")
+    parser.add_argument("--dir", default="ckpt/torch_digits",
+                        help="checkpoint directory (default: ckpt/torch_digits)")
     parser.add_argument("--steps", type=int, default=1000, help="training steps")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--mtbf", type=parse_duration, default="2m",

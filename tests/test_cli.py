@@ -209,6 +209,10 @@ def test_ls_and_verify_intact(checkpoints, capsys):
     assert all("ok" in line and re.search(r"\d+(\.\d+)? (B|KiB)", line) for line in rows.values())
     assert main(["verify", str(checkpoints)]) == 0
     assert "OK: 2 step(s) verified" in capsys.readouterr().out
+    assert main(["verify", str(checkpoints / "1" / "state")]) == 0  # one item directly
+    assert "OK: item verified" in capsys.readouterr().out
+    assert main(["ls", str(checkpoints), "--no-verify"]) == 0
+    assert "ok" not in capsys.readouterr().out
 
 
 def test_verify_names_damaged_leaf_and_file(checkpoints, capsys):

@@ -94,14 +94,20 @@ def test_measures_step_time_cost_and_reads_loss_one_step_late(tmp_path):
                 # Nothing is known yet: no timed step, no save, no earlier loss.
                 assert math.isnan(seen.loss) and math.isnan(seen.step_time)
                 assert math.isnan(seen.cost)
-        # Step 3 sees step 2's loss, step 2's duration (d plus one clock reading) and the
-        # blocking time of step 2's save (one clock reading between its start and end).
+            if step == 2:
+                # Step 1 was not timed (compilation), so step 2 is given its own host-side time
+                # so far: d plus the reading that ended step 1.
+                assert float(seen.step_time) == d + 0.25
+                assert float(seen.loss) == 3.0
+        # Step 3 sees step 2's loss, step 2's whole duration (d plus two clock readings: the
+        # one step 2 was given and the one that ended it) and the blocking time of step 2's
+        # save (one clock reading between its start and end).
         assert float(seen.loss) == 2.0
-        assert float(seen.step_time) == d + 0.25
+        assert float(seen.step_time) == d + 0.5
         assert float(seen.cost) == 0.25
         assert int(seen.calls) == 3
         m = mngr.measurements
-        assert (m.step_time_s, m.loss, m.cost_estimate_s) == (d + 0.25, 2.0, 0.25)
+        assert (m.step_time_s, m.loss, m.cost_estimate_s) == (d + 0.5, 2.0, 0.25)
         # The policy's update is compiled once (at open), not per step.
         assert mngr._driver.compile_count() == 1
 

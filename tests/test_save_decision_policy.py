@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import math
 from types import SimpleNamespace
 
@@ -76,3 +77,32 @@ def test_bad_arguments():
     sdp = cj.SaveDecisionPolicy(cj.policies.fixed(1))
     with pytest.raises(ValueError, match="loss"):
         sdp.observe(np.ones((2, 2)))
+
+
+def test_state_json_continues_the_schedule():
+    def policy():
+        return cj.policies.coci(mtbf_s=30.0, min_fit_points=8, refit_every=4)
+
+    losses = 0.2 + 3.0 * np.exp(-np.arange(40) / 10.0)
+
+    def run(steps, state=None):
+        clock = FakeClock()
+        sdp = cj.SaveDecisionPolicy(policy(), clock=clock)
+        if state is not None:
+            sdp.load_state_json(json.loads(json.dumps(state)))  # survives a JSON round trip
+        decisions, saved = [], False
+        for step in steps:
+            clock.advance(3.0 if saved else 1.0)  # 1 s steps; a save blocks for 2 s more
+            sdp.observe(float(losses[step - 1]))
+            saved = sdp.should_save(info(step), [], context=CONTEXT)
+            decisions.append(saved)
+        return decisions, sdp.state_json()
+
+    whole, _ = run(range(1, 41))
+    assert 2 <= sum(whole) < 20, whole  # a real schedule
+    # Cut after a step that did not save, once a save has been timed.
+    first_save = whole.index(True) + 1
+    cut = next(s for s in range(first_save + 2, 40) if not whole[s - 1])
+    head, state = run(range(1, cut + 1))
+    tail, _ = run(range(cut + 1, 41), state)
+    assert head + tail == whole

@@ -126,8 +126,8 @@ def _replay(policy, step_times, losses, cost_s, n):
     state, cost, saves = policy.init(), math.nan, []
     for s in range(1, n + 1):
         save, state = update(
-            state, step=s, loss=np.float32(losses[s - 1]), step_time_s=step_times[s - 1],
-            checkpoint_cost_s=cost,
+            state, step=np.int32(s), loss=np.float32(losses[s - 1]),
+            step_time_s=np.float32(step_times[s - 1]), checkpoint_cost_s=np.float32(cost),
         )
         saves.append(bool(save))
         if save:

@@ -94,11 +94,13 @@ def _ema(old, sample, valid, alpha):
     return jnp.where(valid, new, old)
 
 
-def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s) -> tuple[Clock, jnp.ndarray]:
+def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s):
     """Advances the clock by one step (before the save decision).
 
     Returns:
-      The new clock and a bool telling whether ``step`` is new (larger than any seen before).
+      ``(clock, is_new, dt)``: the new clock, whether ``step`` is new (larger than any seen
+      before), and the seconds this step counted for (exact, unlike a difference of the
+      float32 ``elapsed`` totals late in a long job).
     """
     st = jnp.asarray(step_time_s, jnp.float32)
     st_ok = jnp.isfinite(st) & (st > 0)
@@ -120,6 +122,7 @@ def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s) -> tuple[Cloc
             last_step=jnp.maximum(clock.last_step, step),
         ),
         is_new,
+        dt,
     )
 
 

@@ -44,7 +44,7 @@ def _interval_policy(interval_fn, cost_prior_s: float) -> Policy:
 
     def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
         del loss
-        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         save = clock.since_save >= interval_fn(cost) - 0.5 * tau
         return save, ClassicState(_base.clock_saved(clock, save))
@@ -79,7 +79,7 @@ def fixed(every: int) -> Policy:
 
     def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
         del loss
-        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         save = (jnp.asarray(step, jnp.int32) % every) == 0
         return save, ClassicState(_base.clock_saved(clock, save))
 
@@ -165,7 +165,7 @@ def checkfreq(max_overhead: float = 0.05, *,
 
     def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
         del loss
-        clock, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         every = jnp.maximum(jnp.ceil(cost / (mo * tau) - 1e-6), 1.0)
         save = clock.steps_since_save.astype(jnp.float32) >= every

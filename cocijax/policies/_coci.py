@@ -9,13 +9,15 @@ saves once the integral reaches 1 (to the nearest step).
 
 How ``v`` is estimated online:
 
-* the current rate is the per-second drop of the best-so-far envelope of a moving average of the
-  (spike-clipped) loss, itself averaged, both over a span of ``max(3, N / 200)`` steps like the
-  hindsight weights of :func:`cocijax.sim.progress_weights`;
+* the current rate is the per-second drop of the best-so-far envelope of an exponential moving
+  average of the (spike-clipped) loss, itself averaged (with Adam-style warm-up bias
+  correction), both over a span of ``max(3, N / 200)`` steps like the hindsight weights of
+  :func:`cocijax.sim.progress_weights`;
 * the job-mean rate is the drop seen so far plus the drop the convergence model
   (:mod:`cocijax.policies._convergence`) still forecasts up to step ``N``, divided by the job
-  time ``N * step_time``. ``N`` is ``total_steps`` when given, else ``horizon_factor`` times the
-  current step (the forecast has to stand alone then).
+  time ``N * step_time``. ``N`` is ``total_steps`` when given. Without it the forecast stands
+  alone: ``N`` is where the fitted curve has all but ``CONVERGED_FRACTION`` (5 %) of its drop
+  behind it, clipped to ``[horizon_factor, MAX_HORIZON]`` times the current step.
 
 Until ``min_fit_points`` finite losses have been seen, ``w = 1`` (Young); until the first fit
 the forecast is taken as 0, which overstates ``v`` and so errs towards protecting the usually
@@ -23,9 +25,11 @@ steep start. ``w`` is clamped to ``[min_weight, max_weight]``
 (density between ``sqrt`` of those times Young's) so that a bad forecast cannot gamble the
 wall-clock overhead away.
 
-Recovery cost: each failure costs ``R`` (with restarts, ``(exp(lambda R) - 1) / lambda``)
-whatever the schedule, so ``R`` moves neither the optimal density nor any decision here; it is
-validated and kept for symmetry with the simulator. What does depend on the end of the job is the
+Recovery cost: under Poisson failures each failure costs ``R`` (with restarts,
+``(exp(lambda R) - 1) / lambda``) whatever the schedule, so ``R`` moves neither the optimal
+density nor any decision here; it is validated and kept so that callers describe the whole
+system (it would matter for bursty, non-Poisson failures right after a restart, which this policy
+does not model). What does depend on the end of the job is the
 last save: with ``total_steps`` known, a save is skipped when the weighted work it would protect
 times the chance of a failure in the time left, ``(1 - exp(-lambda T_left)) W``, is below its
 stall ``C``.
@@ -44,7 +48,7 @@ DEFAULT_MTBF_S = 6 * 3600.0
 # Without total_steps: the job is assumed to end when the forecast drop still to come is this
 # fraction of the whole drop, but after at most MAX_HORIZON times the steps done so far.
 CONVERGED_FRACTION = 0.05
-MAX_HORIZON = 20.0
+MAX_HORIZON = 100.0
 
 
 class CociState(NamedTuple):
@@ -85,8 +89,8 @@ def coci(
       min_weight: lower clamp of ``w`` (the density never drops below ``sqrt(min_weight)``
         times Young's).
       max_weight: upper clamp of ``w``.
-      horizon_factor: without ``total_steps``, the job is assumed to last this many times the
-        steps done so far.
+      horizon_factor: without ``total_steps``, the job is assumed to last at least this many
+        times the steps done so far.
       refit_every: refit the convergence model every this many steps.
       min_fit_points: finite losses needed before ``v`` is used and the model is first fitted
         (Young's rule until then).
@@ -141,9 +145,8 @@ def coci(
                          jnp.ones((), jnp.float32))
 
     def update(state: CociState, *, step, loss, step_time_s, checkpoint_cost_s):
-        clock, is_new = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        clock, is_new, dt = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
-        dt = clock.elapsed - state.clock.elapsed
         k = clock.last_step.astype(jnp.float32)
         if total_steps is not None:
             n_total = jnp.float32(total_steps)

@@ -39,7 +39,7 @@ NUM_BINS = 64
 SPIKE_SIGMAS = 6.0
 SPIKE_MIN_POINTS = 8
 LEVEL_ALPHA = 0.1
-RECENCY = 1.0
+RECENCY = 2.0
 
 # Candidate grid: (family, p1, p2); family 0 = power (p1 = p, p2 = b), 1 = exp (p1 = s).
 _POWER = [(0, p, b) for p in (0.25, 0.5, 1.0, 2.0) for b in (0.01, 0.05, 0.25, 1.0)]

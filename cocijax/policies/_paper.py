@@ -63,18 +63,29 @@ class PaperState(NamedTuple):
 
 
 def fit_exp(h: _convergence.History):
-    """Least squares ``y ~ exp(theta1 t + theta2)`` over the binned points ``(t, y)``."""
-    t, y, n = h.x, h.y, h.n
-    span = jnp.maximum(jnp.max(jnp.where(n > 0, t, 0.0)), 1e-6)
-    theta1 = -_RATE_GRID / span
-    e = jnp.exp(theta1[:, None] * t[None, :])
-    see = (n * e * e).sum(axis=1)
-    sye = (n * y * e).sum(axis=1)
+    """Least squares ``y ~ exp(theta1 t + theta2)`` over the binned points ``(t, y)``.
+
+    ``theta1`` is searched on a log grid, then on a finer grid around the best point (two
+    stages of 96 and 64 candidates: relative resolution ~0.4 %); ``exp(theta2)`` is the
+    closed-form optimum for each candidate.
+    """
+    span = jnp.maximum(jnp.max(jnp.where(h.n > 0, h.x, 0.0)), 1e-6)
+    rates = _RATE_GRID / span
+    i = jnp.argmin(_exp_sse(h, rates)[0])
+    step = jnp.log(_RATE_GRID[1] / _RATE_GRID[0])
+    fine = rates[i] * jnp.exp(jnp.linspace(-1.0, 1.0, 64) * step)
+    sse, scale = _exp_sse(h, fine)
+    j = jnp.argmin(sse)
+    return -fine[j], jnp.log(jnp.maximum(scale[j], 1e-30))
+
+
+def _exp_sse(h: _convergence.History, rates):
+    e = jnp.exp(-rates[:, None] * h.x[None, :])
+    see = (h.n * e * e).sum(axis=1)
+    sye = (h.n * h.y * e).sum(axis=1)
     scale = sye / jnp.maximum(see, 1e-30)
-    sse = (n * y * y).sum() - scale * sye
-    sse = jnp.where(scale > 0, sse, jnp.inf)
-    i = jnp.argmin(sse)
-    return theta1[i], jnp.log(jnp.maximum(scale[i], 1e-30))
+    sse = (h.n * h.y * h.y).sum() - scale * sye
+    return jnp.where(scale > 0, sse, jnp.inf), scale
 
 
 def _no_fit(h: _convergence.History):
@@ -129,7 +140,7 @@ def coci_paper(
         return ok, now - pc, pc
 
     def update(state: PaperState, *, step, loss, step_time_s, checkpoint_cost_s):
-        clock, is_new = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+        clock, is_new, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         t_now = clock.elapsed / unit
         ts = cost / unit

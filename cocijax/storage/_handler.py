@@ -216,7 +216,14 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in leaf.shape)
             leaves.append(LeafRecord(name, keys, kind, dtype.name, shape))
-            if kind == "jax":
+            if kind == "jax" and len(leaf.sharding.device_set) == 1:
+                # Single-device array (the common case): skip building shard objects.
+                if leaf.is_fully_addressable:
+                    chunks.append(
+                        _layout.Chunk(index, (0,) * len(shape), shape, dtype, len(sources))
+                    )
+                    sources.append(leaf)
+            elif kind == "jax":
                 for shard in leaf.addressable_shards:
                     if shard.replica_id != 0:
                         continue
@@ -358,14 +365,41 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
         for p in manifest.pieces:
             by_leaf[p.leaf].append(p)
+        # Plan every leaf first: bad targets fail before any I/O, and the reader learns how
+        # often each file is needed so it can free it after its last use.
+        plans = [
+            _plan_leaf(reader, rec, t, by_leaf[i], directory)
+            for i, (rec, t) in enumerate(zip(manifest.leaves, targets, strict=True))
+        ]
+        # One flat batch of region reads over all leaves (few asyncio tasks per leaf), then
+        # one batched device_put for every device buffer of every leaf.
+        flat = [
+            (i, j, req, _tree.to_dtype(rec.dtype))
+            for i, (rec, plan) in enumerate(zip(manifest.leaves, plans, strict=True))
+            for j, req in enumerate(plan.requests)
+        ]
 
-        async def run() -> list[Any]:
-            return await _io.gather_all(
-                _restore_leaf(reader, rec, t, by_leaf[i], directory)
-                for i, (rec, t) in enumerate(zip(manifest.leaves, targets, strict=True))
-            )
+        async def run() -> list[np.ndarray]:
+            return await _io.gather_all(_assemble(reader, dt, req) for _, _, req, dt in flat)
 
-        values = asyncio_utils.run_sync(run())
+        datas = asyncio_utils.run_sync(run()) if flat else []
+        host: list[list[Any]] = [[None] * len(plan.requests) for plan in plans]
+        to_put, devices, owners = [], [], []
+        for (i, j, _, _), data in zip(flat, datas, strict=True):
+            if plans[i].devices is None:
+                host[i][j] = data
+            else:
+                for device in plans[i].devices[j]:
+                    to_put.append(data)
+                    devices.append(device)
+                    owners.append(i)
+        placed: list[list[Any]] = [[] for _ in plans]
+        for i, array in zip(owners, jax.device_put(to_put, devices), strict=True):
+            placed[i].append(array)
+        values = [
+            plan.finish(host[i] if plan.devices is None else placed[i])
+            for i, plan in enumerate(plans)
+        ]
         if treedef is None:
             return _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
         return jax.tree_util.tree_unflatten(treedef, values)
@@ -443,22 +477,30 @@ def _target_spec(record: LeafRecord, target: Any, directory: pathlib.Path):
     return getattr(target, "sharding", None)
 
 
-async def _assemble(
+# A region to restore: global start, stop, and the (piece, lo, hi) overlaps that fill it.
+_Request = tuple[tuple[int, ...], tuple[int, ...], list[tuple[PieceRecord, tuple, tuple]]]
+
+
+def _request(
     reader: _io.PieceReader,
-    record: LeafRecord,
     pieces: list[PieceRecord],
     start: tuple[int, ...],
     stop: tuple[int, ...],
-) -> np.ndarray:
-    """The host array of the global region ``[start, stop)`` of one leaf."""
-    dtype = _tree.to_dtype(record.dtype)
-    shape = tuple(b - a for a, b in zip(start, stop, strict=True))
+) -> _Request:
     parts = []
     for p in pieces:
         lo = tuple(max(a, c) for a, c in zip(start, p.start, strict=True))
         hi = tuple(min(b, d) for b, d in zip(stop, p.stop, strict=True))
         if all(a < b for a, b in zip(lo, hi, strict=True)):
             parts.append((p, lo, hi))
+            reader.reserve(p)
+    return start, stop, parts
+
+
+async def _assemble(reader: _io.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
+    """The host array of one requested region of one leaf."""
+    start, stop, parts = request
+    shape = tuple(b - a for a, b in zip(start, stop, strict=True))
     if len(parts) == 1 and parts[0][1] == start and parts[0][2] == stop:
         # One piece is exactly the region: hand its array over, no extra copy.
         p, lo, hi = parts[0]
@@ -471,17 +513,34 @@ async def _assemble(
     return out
 
 
-async def _restore_leaf(
+@dataclasses.dataclass
+class _LeafPlan:
+    """How to restore one leaf.
+
+    Attributes:
+      requests: regions to read.
+      finish: builds the leaf from the requests' host arrays (``devices is None``) or from the
+        device buffers, one per device, in ``devices`` order.
+      devices: per request, the devices that need it; ``None`` for host (numpy) results.
+    """
+
+    requests: list[_Request]
+    finish: Any
+    devices: list[list[Any]] | None = None
+
+
+def _plan_leaf(
     reader: _io.PieceReader,
     record: LeafRecord,
     target: Any,
     pieces: list[PieceRecord],
     directory: pathlib.Path,
-) -> Any:
+) -> _LeafPlan:
+    """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
     if record.kind in _tree.SCALAR_KINDS:
         value = {"bool": bool, "int": int, "float": float}[record.kind](record.value)
         if target is None or isinstance(target, bool | int | float):
-            return value
+            return _LeafPlan([], lambda _: value)
         # A saved Python scalar restores into a 0-d array target (e.g. from jax.eval_shape).
         if tuple(target.shape) != ():
             raise ValueError(
@@ -490,18 +549,18 @@ async def _restore_leaf(
             )
         data = np.asarray(value, dtype=np.dtype(target.dtype))
         if isinstance(target, np.ndarray | np.generic):
-            return data if isinstance(target, np.ndarray) else data[()]
+            return _LeafPlan([], lambda _: data if isinstance(target, np.ndarray) else data[()])
         sharding = getattr(target, "sharding", None)
-        return jax.device_put(data, sharding) if sharding is not None else jax.device_put(data)
-    full = ((0,) * len(record.shape), record.shape)
+        return _LeafPlan([], lambda _: jax.device_put(data, sharding))
+    whole = ((0,) * len(record.shape), record.shape)
     if target is None or isinstance(target, np.ndarray | np.generic):
         if target is not None:
             _target_spec(record, target, directory)
-        data = await _assemble(reader, record, pieces, *full)
-        return data[()] if record.kind == "np_scalar" else data
+        full = _request(reader, pieces, *whole)
+        scalar = record.kind == "np_scalar" if target is None else isinstance(target, np.generic)
+        return _LeafPlan([full], lambda d: d[0][()] if scalar else d[0])
     if isinstance(target, bool | int | float):
-        data = await _assemble(reader, record, pieces, *full)
-        return type(target)(data.item())
+        return _LeafPlan([_request(reader, pieces, *whole)], lambda d: type(target)(d[0].item()))
     if not (hasattr(target, "shape") and hasattr(target, "dtype")):
         raise ValueError(
             f"Leaf {record.path}: unsupported restore target {type(target).__name__}; expected "
@@ -509,18 +568,16 @@ async def _restore_leaf(
         )
     sharding = _target_spec(record, target, directory)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    index_map = sharding.addressable_devices_indices_map(record.shape)
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     boxes: dict[tuple, list[Any]] = {}
-    for device, index in index_map.items():
+    for device, index in sharding.addressable_devices_indices_map(record.shape).items():
         boxes.setdefault(_box(index, record.shape), []).append(device)
-    datas = await _io.gather_all(_assemble(reader, record, pieces, *b) for b in boxes)
-    arrays = [
-        jax.device_put(data, device)
-        for data, devices in zip(datas, boxes.values(), strict=True)
-        for device in devices
-    ]
-    return jax.make_array_from_single_device_arrays(record.shape, sharding, arrays)
+    requests = [_request(reader, pieces, *box) for box in boxes]
+
+    def finish(arrays: list[jax.Array]) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(record.shape, sharding, arrays)
+
+    return _LeafPlan(requests, finish, devices=list(boxes.values()))
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)

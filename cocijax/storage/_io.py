@@ -151,6 +151,7 @@ class PieceReader:
             self._files.setdefault((p.root, p.file), []).append(p)
         self._open: dict[tuple[int, str], asyncio.Future] = {}
         self._full: dict[tuple[int, str], asyncio.Future] = {}
+        self._uses: dict[tuple[int, str], int] = {}
 
     def _error(self, piece: PieceRecord, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -204,7 +205,11 @@ class PieceReader:
         """The part ``[start, stop)`` (global indices, inside the piece) of ``piece``."""
         local = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, piece.start, strict=True))
         if self._verify or piece.offset is not None:
-            data, bad = await self._read_full(piece)
+            key = (piece.root, piece.file)
+            try:
+                data, bad = await self._read_full(piece)
+            finally:
+                self._release(key)
             if _ident(piece) in bad:
                 raise self._error(piece, bad[_ident(piece)])
             return _member(data, piece)[local]
@@ -213,6 +218,22 @@ class PieceReader:
             return await array[local].read()
         except Exception as e:
             raise self._error(piece, f"cannot read the data ({e})") from e
+
+    def reserve(self, piece: PieceRecord) -> None:
+        """Announces one future :meth:`region` call on ``piece``'s file.
+
+        A whole file read for checksumming is dropped from memory after its last announced
+        use, so a restore holds only the pieces still in flight, not the whole checkpoint.
+        """
+        key = (piece.root, piece.file)
+        self._uses[key] = self._uses.get(key, 0) + 1
+
+    def _release(self, key: tuple[int, str]) -> None:
+        if key in self._uses:
+            self._uses[key] -= 1
+            if self._uses[key] <= 0:
+                del self._uses[key]
+                self.forget(key)
 
     def files(self) -> dict[tuple[int, str], list[PieceRecord]]:
         """Pieces grouped by the file holding them."""

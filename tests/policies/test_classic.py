@@ -24,7 +24,8 @@ def test_young_interval_is_sqrt_2cm_to_the_nearest_step(cost, mtbf, step_time):
     steps = _plan(cj.policies.young(mtbf), 2000, step_time, cost)
     k = round(interval)
     np.testing.assert_array_equal(steps, np.arange(k, 2001, k))
-    assert float(cj.policies.young_interval(cost, mtbf)) == pytest.approx(math.sqrt(2 * cost * mtbf))
+    formula = math.sqrt(2 * cost * mtbf)
+    assert float(cj.policies.young_interval(cost, mtbf)) == pytest.approx(formula)
 
 
 @pytest.mark.parametrize(("cost", "mtbf"), [(10.0, 3600.0), (30.0, 7200.0), (600.0, 1000.0),

@@ -107,8 +107,8 @@ def test_save_decision_policy_rejects_wrong_types() -> None:
 @pytest.mark.parametrize(
     ("argv", "code", "needle"),
     [
-        (["verify", "{missing}"], None, "{missing}"),
-        (["ls", "{missing}"], None, "{missing}"),
+        (["verify", "{missing}"], 2, "{missing}"),
+        (["ls", "{missing}"], 2, "{missing}"),
         (["plan", "{missing}", "--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
          "{missing}"),
         (["plan", "{csv}", "--mtbf", "4h", "--ckpt-cost", "-20s", "--step-time", "1s"], 2,
@@ -117,13 +117,13 @@ def test_save_decision_policy_rejects_wrong_types() -> None:
          "mtbf"),
         (["plan", "{csv}", "--mtbf", "soon", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
          "mtbf"),
-        (["verify", "{foreign}"], None, "{foreign}"),
+        (["verify", "{foreign}"], 1, "{foreign}"),
     ],
     ids=["verify-missing-dir", "ls-missing-dir", "plan-missing-csv", "plan-negative-cost",
          "plan-zero-mtbf", "plan-bad-duration", "verify-foreign-dir"],
 )
 def test_cli_bad_input_is_one_line_without_traceback(
-    tmp_path: Path, capsys, argv: list[str], code: int | None, needle: str
+    tmp_path: Path, capsys, argv: list[str], code: int, needle: str
 ) -> None:
     csv = tmp_path / "losses.csv"
     csv.write_text("step,loss\n" + "".join(f"{i},{3.0 / i}\n" for i in range(1, 50)))
@@ -134,7 +134,7 @@ def test_cli_bad_input_is_one_line_without_traceback(
     argv = [subst.get(a, a) for a in argv]
     status = cli.main(argv)
     err = capsys.readouterr().err
-    assert status != 0 and (code is None or status == code), (status, err)
+    assert status == code, (status, err)
     assert subst.get(needle, needle) in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 

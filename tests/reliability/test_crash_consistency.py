@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, child_env, read_jsonl
+from conftest import HERE, child_env, item_dir, pieces, read_jsonl
 
 TRIALS = int(os.environ.get("COCIJAX_CRASH_TRIALS", "30"))
 SEED = int(os.environ.get("COCIJAX_CRASH_SEED", "20261122"))
@@ -163,3 +164,33 @@ def test_sigkill_at_random_instants_loses_nothing_committed(tmp_path: Path, chai
         f"per phase {by_phase}; {len(last_checks)} checks, 0 problems, "
         f"{bit_exact} bit-exact restores"
     )
+
+
+def test_the_checker_reports_damage(tmp_path: Path) -> None:
+    """The trainer's check is what every trial relies on: show that it does find problems."""
+    cfg: dict[str, Any] = {
+        "directory": str(tmp_path / "ckpt"),
+        "roots": [str(tmp_path / "root0"), str(tmp_path / "root1")],
+        "digests": str(tmp_path / "digests.jsonl"),
+        "results": str(tmp_path / "results.jsonl"),
+        "seed": 3,
+        "width": 64,
+        "every": 2,
+        "max_to_keep": 3,
+        "steps": 4,
+        "compilation_cache": str(tmp_path / "jax-cache"),
+    }
+    status, _, err = _run(cfg, kill_after_armed=None)
+    assert status == 0, err
+    # A wrong recorded digest for the newest step, and a deleted piece of an older one.
+    with open(cfg["digests"], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": 4, "digest": "0" * 64}) + "\n")
+    older = item_dir(Path(cfg["directory"]), 2)
+    victim = pieces(older)[0].path
+    shutil.rmtree(victim)
+    status, _, err = _run(cfg, kill_after_armed=None)
+    assert status == 0, err
+    check = [r for r in read_jsonl(Path(cfg["results"])) if r["kind"] == "check"][-1]
+    text = "\n".join(check["problems"])
+    assert check["bit_exact"] is False and "step 4 restored with digest" in text, text
+    assert "step 2 listed but does not verify" in text and victim.name in text, text

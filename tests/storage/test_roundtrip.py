@@ -7,11 +7,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import zarr
-from conftest import assert_tree_equal
 from flax import linen as nn
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from storage_helpers import assert_tree_equal
 
 import cocijax as cj
 

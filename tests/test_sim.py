@@ -1,0 +1,135 @@
+"""The fault-injection simulator against closed forms, and the hindsight weights."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cocijax import sim
+
+KW = dict(n_steps=5000, step_time_s=1.5, checkpoint_cost_s=20.0, recovery_s=90.0, mtbf_s=3000.0)
+
+
+@pytest.mark.parametrize("every", [40, 150, 1000])
+def test_periodic_schedule_matches_the_poisson_closed_form(every):
+    steps = np.arange(every, KW["n_steps"] + 1, every)
+    res = sim.simulate(steps, trials=3000, seed=7, **KW)
+    exact = sim.expected_overhead_periodic(every, **KW)
+    assert res.wall_overhead_s == pytest.approx(exact, rel=max(0.03, 4 * res.wall_overhead_se
+                                                                / exact))
+    # weights=None: every recomputed second counts 1, so both currencies agree.
+    assert res.weighted_overhead_s == pytest.approx(res.wall_overhead_s)
+    assert res.wall_overhead_s == pytest.approx(res.stall_s + res.recompute_s + res.recovery_s)
+
+
+def test_closed_form_by_hand():
+    # One segment of D = 100 s, no stall, no recovery, MTBF 1000 s: M (e^{D/M} - 1) - D.
+    got = sim.expected_overhead_periodic(100, n_steps=100, step_time_s=1.0, checkpoint_cost_s=0.0,
+                                         recovery_s=0.0, mtbf_s=1000.0)
+    assert got == pytest.approx(1000.0 * math.expm1(0.1) - 100.0)
+
+
+def test_without_failures_the_overhead_is_the_stalls():
+    res = sim.simulate([10, 20, 30, 30, 0, 999], n_steps=50, step_time_s=1.0,
+                       checkpoint_cost_s=3.0, recovery_s=5.0, mtbf_s=1e12, trials=20)
+    assert res.n_saves == 3  # duplicates and out-of-range steps dropped
+    assert res.wall_overhead_s == pytest.approx(9.0)
+    assert res.weighted_overhead_s == pytest.approx(9.0)
+    assert res.failures == 0.0
+
+
+def test_weights_scale_only_recomputation():
+    steps = np.arange(100, 5001, 100)
+    base = sim.simulate(steps, trials=500, seed=3, **KW)
+    twice = sim.simulate(steps, trials=500, seed=3, weights=np.full(5000, 2.0), **KW)
+    ones = sim.simulate(steps, trials=500, seed=3, weights=np.ones(5000), **KW)
+    assert ones == base  # weights=None means all ones; same seed, same draws
+    assert twice.wall_overhead_s == base.wall_overhead_s
+    assert twice.weighted_overhead_s == pytest.approx(
+        base.stall_s + base.recovery_s + 2.0 * base.recompute_s)
+    # Weights on the first half only: recomputation there costs double.
+    w = np.where(np.arange(5000) < 2500, 3.0, 0.0)
+    half = sim.simulate(steps, trials=500, seed=3, weights=w, **KW)
+    assert base.stall_s + base.recovery_s < half.weighted_overhead_s
+
+
+@pytest.mark.parametrize("shape", [0.7, 1.0, 1.5])
+def test_failure_count_follows_the_renewal_rate(shape):
+    # Long-run renewal rate is 1 / MTBF whatever the shape: failures ~ total wall time / MTBF.
+    res = sim.simulate([], n_steps=1, step_time_s=1.0, checkpoint_cost_s=0.0, recovery_s=200.0,
+                       mtbf_s=100.0, weibull_shape=shape, trials=4000, seed=1)
+    assert res.failures > 0
+    steps = np.arange(50, 20001, 50)
+    res = sim.simulate(steps, n_steps=20000, step_time_s=1.0, checkpoint_cost_s=5.0,
+                       recovery_s=10.0, mtbf_s=2000.0, weibull_shape=shape, trials=400, seed=2)
+    wall = 20000.0 + res.wall_overhead_s
+    assert res.failures == pytest.approx(wall / 2000.0, rel=0.08)
+
+
+def test_common_random_numbers():
+    a = sim.simulate([100, 200], trials=200, seed=5, **KW)
+    b = sim.simulate([100, 200], trials=200, seed=5, **KW)
+    c = sim.simulate([100, 200], trials=200, seed=6, **KW)
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize(("arg", "value"), [("n_steps", 0), ("step_time_s", -1.0),
+                                            ("mtbf_s", 0.0), ("checkpoint_cost_s", -1.0),
+                                            ("recovery_s", math.nan), ("weibull_shape", 0.0),
+                                            ("trials", 0)])
+def test_bad_arguments_name_the_parameter(arg, value):
+    kw = dict(KW, trials=10)
+    kw[arg] = value
+    with pytest.raises(ValueError, match=arg):
+        sim.simulate([1], **kw)
+
+
+def test_weights_must_match_the_job():
+    with pytest.raises(ValueError, match="weights"):
+        sim.simulate([1], weights=np.ones(3), trials=2, **KW)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.lists(st.integers(-5, 600), max_size=40), seed=st.integers(0, 10))
+def test_overheads_are_bounded_below_by_the_stalls(steps, seed):
+    res = sim.simulate(steps, n_steps=500, step_time_s=2.0, checkpoint_cost_s=4.0,
+                       recovery_s=30.0, mtbf_s=800.0, trials=50, seed=seed)
+    assert res.stall_s >= 4.0 * res.n_saves - 1e-9
+    assert res.wall_overhead_s >= res.stall_s
+    # Each failure costs at most one full recovery (a failure inside a recovery cuts it short).
+    assert res.recovery_s <= 30.0 * res.failures + 1e-6
+    assert (res.recovery_s > 0) == (res.failures > 0)
+    assert np.isfinite(res.wall_overhead_se)
+
+
+# --- progress_weights -------------------------------------------------------------------------
+
+
+def test_progress_weights_have_mean_one_and_follow_progress():
+    k = np.arange(1, 4001)
+    y = 1.0 + 5.0 / np.sqrt(k)
+    w = sim.progress_weights(y, 0.25)
+    assert w.mean() == pytest.approx(1.0)
+    assert w.min() >= 0.25 - 1e-12
+    assert w[50] > 5 * w[-50]  # fast progress early weighs more
+
+
+def test_progress_weights_edge_cases():
+    assert np.allclose(sim.progress_weights(np.full(100, 3.0), 0.25), 1.0)  # no progress
+    assert np.allclose(sim.progress_weights(np.linspace(3, 1, 1000)[::-1], 0.0), 1.0)  # rising
+    assert np.allclose(sim.progress_weights(np.linspace(3.0, 1.0, 999), 1.0), 1.0)
+    # A straight line falls at a constant rate: v = 1 away from the first window.
+    w = sim.progress_weights(np.linspace(3.0, 1.0, 2000), 0.0)
+    assert np.allclose(w[20:-20], w[1000], rtol=1e-6)
+    y = 1.0 + 5.0 / np.sqrt(np.arange(1, 501))
+    y[[3, 100, 200]] = [np.nan, np.inf, -np.inf]
+    w = sim.progress_weights(y, 0.25)
+    assert np.all(np.isfinite(w)) and w.mean() == pytest.approx(1.0)
+    assert np.allclose(sim.progress_weights(np.full(10, np.nan), 0.5), 1.0)
+    with pytest.raises(ValueError, match="time_weight"):
+        sim.progress_weights(y, 1.5)
+    with pytest.raises(ValueError, match="1-D"):
+        sim.progress_weights(np.ones((2, 2)), 0.5)
