@@ -24,6 +24,7 @@ import platform
 import statistics
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -104,6 +105,15 @@ def run_case(y, sc, trials, seed):
 
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75)
+NOTE = (
+    "Notes: `coci_paper` follows the COCI artifact, whose loss decrement `pc` is in minutes "
+    "but compared with the loss, so on these curves it plans few or no saves after its first "
+    "fit and its overhead is off the scale: beating it says little. Capture is not "
+    "meaningful where the bound's own reduction is near 0 (resnet50, B). The hindsight bound "
+    "picks its scale factor on the same draws it is scored on, so it is slightly optimistic. "
+    "Standard errors (±) are of the mean overhead; differences between policies are much "
+    "tighter thanks to the common random numbers."
+)
 
 
 def forecast_errors(y: np.ndarray) -> list[float]:
@@ -150,6 +160,24 @@ def update_cost_us(calls: int = 2000) -> dict[str, float]:
     return out
 
 
+def speed_checks() -> dict[str, float]:
+    """Seconds for a 20k-step plan (after compilation) and a 1000-trial x 20k-step simulation."""
+    n = 20000
+    rng = np.random.default_rng(0)
+    y = 3.0 + 5.0 / np.sqrt(np.arange(1, n + 1)) + 0.05 * rng.standard_normal(n)
+    pol = cj.policies.coci(7200.0, 120.0, 0.25, total_steps=n)
+    cj.plan(y, pol, step_time_s=1.44, checkpoint_cost_s=30.0)  # compile
+    t0 = time.perf_counter()
+    steps = cj.plan(y, pol, step_time_s=1.44, checkpoint_cost_s=30.0)
+    t_plan = time.perf_counter() - t0
+    w = cj.sim.progress_weights(y, TIME_WEIGHT)
+    t0 = time.perf_counter()
+    cj.sim.simulate(steps, n_steps=n, step_time_s=1.44, checkpoint_cost_s=30.0, recovery_s=120.0,
+                    mtbf_s=2880.0, weights=w, trials=1000, seed=0)
+    t_sim = time.perf_counter() - t0
+    return {"plan_20k_s": t_plan, "simulate_1000x20k_s": t_sim}
+
+
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -189,7 +217,7 @@ def write_section(text: str) -> None:
     BENCH_MD.write_text(new)
 
 
-def plot(cases, best_case) -> None:
+def plot(cases, marks_case) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,33 +226,33 @@ def plot(cases, best_case) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     DOC_PNG.parent.mkdir(parents=True, exist_ok=True)
     names = ["young", "daly", "checkfreq", "coci_paper", "coci", "hindsight"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    curve, scen, y, sched = best_case
-    ax = axes[0]
-    x = np.arange(1, y.size + 1) * JOB_S / y.size / 3600.0
-    ax.plot(x, y, lw=0.6, color="0.5")
-    lo, hi = np.nanpercentile(y, 1), np.nanpercentile(y, 99)
+    fig = plt.figure(figsize=(15, 6))
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1], width_ratios=[1, 1.3])
+    curve, scen, y, sched = marks_case
+    hours = np.arange(1, y.size + 1) * JOB_S / y.size / 3600.0
+    ax = fig.add_subplot(grid[0, 0])
+    ax.plot(hours, y, lw=0.6, color="0.4")
+    ax.set_ylim(np.nanpercentile(y, 0.5), np.nanpercentile(y, 99.5))
+    ax.set_ylabel("loss")
+    ax.set_title(f"{curve}, scenario {scen}")
+    marks = fig.add_subplot(grid[1, 0], sharex=ax)
     for i, name in enumerate(names):
         s = sched[name]
-        mark = lo - (i + 1) * 0.06 * (hi - lo)
-        ax.plot(s * JOB_S / y.size / 3600.0, np.full(s.size, mark), "|", ms=8, label=name)
-    ax.set_xlabel("hours")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{curve} (scenario {scen}): checkpoint marks")
-    ax.legend(fontsize=7, loc="upper right")
-    ax = axes[1]
-    labels = [f"{c[:18]}/{s}" for c, s, _ in cases]
+        marks.plot(hours[s - 1], np.full(s.size, i), "|", ms=9)
+    marks.set_yticks(range(len(names)), names, fontsize=7)
+    marks.set_xlabel("hours (checkpoint marks per policy)")
+    bars = fig.add_subplot(grid[:, 1])
+    labels = [f"{c[:16]}/{s}" for c, s, _ in cases]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ratio = [r[name].weighted_overhead_s / min(r[k].weighted_overhead_s for k in CLASSIC)
                  for _, _, r in cases]
-        ax.bar(np.arange(len(cases)) + i * width, ratio, width, label=name)
-    ax.axhline(1.0, color="k", lw=0.5)
-    ax.set_ylim(0.4, 1.6)
-    ax.set_xticks(np.arange(len(cases)) + 0.4)
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel("weighted overhead / best classic")
-    ax.legend(fontsize=7)
+        bars.bar(np.arange(len(cases)) + i * width, ratio, width, label=name)
+    bars.axhline(1.0, color="k", lw=0.5)
+    bars.set_ylim(0.5, 1.3)
+    bars.set_xticks(np.arange(len(cases)) + 0.4, labels, rotation=90, fontsize=6)
+    bars.set_ylabel("weighted overhead / best of young, daly, checkfreq (coci_paper off scale)")
+    bars.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(OUT / "policy_bench.png", dpi=110)
     fig.savefig(DOC_PNG, dpi=80)
@@ -245,7 +273,9 @@ def main() -> None:
     console = Console(width=180)
     t_start = time.perf_counter()
     cases, best_case, rows, fc_rows = [], None, [], []
-    for seed, path in enumerate(paths):
+    for path in paths:
+        # The failure draws depend on the curve only: the same for every policy and every run.
+        seed = zlib.crc32(path.stem.encode())
         y = load_curve(path)
         for sname, sc in SCENARIOS.items():
             res, sched, _ = run_case(y, sc, args.trials, seed)
@@ -263,12 +293,14 @@ def main() -> None:
                        se=res["coci"].weighted_overhead_se,
                        saves=len(sched["coci"]), hsaves=len(sched["hindsight"]))
             rows.append(row)
-            if sname == "A" and (best_case is None or row["hred"] > best_case[0]):
-                best_case = (row["hred"], (path.stem, sname, y, sched))
+            # The marks plot shows the longest curve (per-step, most detail), scenario A.
+            if sname == "A" and (best_case is None or y.size > best_case[0]):
+                best_case = (y.size, (path.stem, sname, y, sched))
         row_fc = forecast_errors(y)
         fc_rows.append((path.stem, row_fc))
     elapsed = time.perf_counter() - t_start
     cost = update_cost_us()
+    speed = speed_checks()
 
     table = Table(title=f"policy_bench: weighted overhead (s), time_weight {TIME_WEIGHT}, "
                         f"{args.trials} trials")
@@ -318,7 +350,8 @@ def main() -> None:
     med = np.median(np.abs([e for _, e in fc_rows]), axis=0)
     fc.add_row("median |error|", *(f"{e:.2f}" for e in med))
     console.print(fc)
-    console.print(f"update cost (median us/call): {cost}; cases ran in {elapsed:.0f} s")
+    console.print(f"update cost (median us/call): {cost}; cases ran in {elapsed:.0f} s; "
+                  f"{speed}")
 
     if args.no_write:
         return
@@ -347,6 +380,7 @@ def main() -> None:
             f"± {r['se']:.0f} | {r['nototal']:.0f} | {r['paper']:.0f} | {r['hind']:.0f} "
             f"| {100 * r['red']:.1f}% | {100 * r['hred']:.1f}% | {100 * r['capture']:.0f}% "
             f"| {r['wall']:.2f} | {r['saves']}/{r['hsaves']} |")
+    lines += ["", NOTE]
     lines += ["", "Targets (issue 2), `coci(time_weight=0.25, total_steps=n)`:", "",
               "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets]
@@ -360,6 +394,9 @@ def main() -> None:
     lines += ["| median abs | " + " | ".join(f"{e:.2f}" for e in med) + " |"]
     lines += ["", "`update` cost, median of 1900 jitted eager calls incl. the host sync: "
                   + ", ".join(f"{k} {v:.0f} µs" for k, v in cost.items()) + ".",
+              "", f"`cj.plan` of `coci` over 20,000 steps after compilation: "
+                  f"{speed['plan_20k_s']:.3f} s; `cj.sim.simulate`, 1000 trials x 20,000 steps "
+                  f"(MTBF 48 min): {speed['simulate_1000x20k_s']:.2f} s.",
               "", "![policy benchmark](docs/policy_bench.png)"]
     write_section("\n".join(lines))
 

@@ -43,6 +43,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 BENCH_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 SECTION = "write_bench"
+RESULTS_JSON = Path(__file__).resolve().parent / "out" / "write_bench.json"  # every raw run
 METHODS = ["seq", "orbax", "cocijax-1", "cocijax-2", "cocijax-4"]
 
 # --------------------------------------------------------------------------- the subprocess
@@ -212,10 +213,7 @@ def _median(runs: list[dict]) -> dict:
 
 
 def _machine(dirs: dict[str, str]) -> list[str]:
-    import jax
-    import numpy
-    import orbax.checkpoint
-    import tensorstore
+    from importlib.metadata import version
 
     cpu = "unknown"
     with open("/proc/cpuinfo") as f:
@@ -231,10 +229,10 @@ def _machine(dirs: dict[str, str]) -> list[str]:
     ]
     for label, d in dirs.items():
         lines.append(f"- {label}: {_filesystem(d)}")
+    libs = ["jax", "orbax-checkpoint", "tensorstore", "numpy"]
     lines.append(
-        f"- Python {platform.python_version()}, jax {jax.__version__}, orbax-checkpoint "
-        f"{orbax.checkpoint.__version__}, tensorstore {tensorstore.__version__}, numpy "
-        f"{numpy.__version__}"
+        f"- Python {platform.python_version()}, "
+        + ", ".join(f"{name} {version(name)}" for name in libs)
     )
     return lines
 
@@ -375,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = _one(case)
                     runs.setdefault((loc, tree, method), []).append(result)
                     console.log(f"[{rep + 1}/{args.repeat}] {loc} ({tree}) {method}: {result}")
+    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_JSON.write_text(json.dumps([[list(k), v] for k, v in runs.items()], indent=1))
     results = {key: _median(r) for key, r in runs.items()}
 
     rows = _fmt_rows(results, trees, list(locations))

@@ -9,10 +9,7 @@
 
 __version__ = "0.1.0"
 
-# Each subsystem re-exports its public names below, one import a line.
-from cocijax import policies
-from cocijax import sim
-from cocijax import storage
+from cocijax import policies, sim, storage
 from cocijax._save_decision import SaveDecisionPolicy
 from cocijax.manager import CheckpointManager
 from cocijax.policies import plan

@@ -46,6 +46,7 @@ from cocijax._manager_dir import (
 )
 from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
 from cocijax._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
+from cocijax.storage import _tree as storage_tree
 
 # DirectoryLockedError is defined next to the lock and re-exported here, where users meet it.
 __all__ = ["CheckpointManager", "DirectoryLockedError", "Measurements"]
@@ -296,6 +297,11 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, loss: Any) -> None:
         # Wait for the step's own computation first: that is training time, not checkpoint cost.
         jax.block_until_ready(state)
+        # Reject unsupported leaves before Orbax starts its background threads: a TypeError
+        # raised inside the handler's async_save leaves Orbax threads waiting up to 300 s for
+        # signals that never come, which also blocks interpreter exit.
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            storage_tree.leaf_kind(path, leaf)
         snapshot = self._driver.snapshot(loss)
         measured: dict[str, float] = {}
         ready = threading.Event()

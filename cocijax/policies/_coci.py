@@ -49,6 +49,8 @@ DEFAULT_MTBF_S = 6 * 3600.0
 # fraction of the whole drop, but after at most MAX_HORIZON times the steps done so far.
 CONVERGED_FRACTION = 0.05
 MAX_HORIZON = 100.0
+# Span of the online moving averages relative to the hindsight window (max(3, N / 200) points).
+SPAN_FACTOR = 1.0
 
 
 class CociState(NamedTuple):
@@ -160,7 +162,7 @@ def coci(
                 hf * k, MAX_HORIZON * k)
             n_total = jnp.where(jnp.isfinite(n_total), n_total, hf * k)
             n_total = jnp.maximum(n_total, k + 1.0)
-        span = jnp.maximum(3.0, n_total / 200.0)
+        span = jnp.maximum(3.0, n_total / 200.0) * SPAN_FACTOR
         alpha = 2.0 / (span + 1.0)
 
         loss = jnp.asarray(loss, jnp.float32)
@@ -168,12 +170,19 @@ def coci(
         y = jnp.where(valid, _convergence.clip_spike(state.history, loss), 0.0)
         history = _convergence.history_add(state.history, k, jnp.where(valid, loss, 0.0), valid)
 
-        first = jnp.isnan(state.level)
-        level = jnp.where(valid, jnp.where(first, y, state.level + alpha * (y - state.level)),
-                          state.level)
+        # Moving averages warm up as plain means (weight max(alpha, 1 / count)), so the first
+        # loss does not linger in them; `start` is the mean of the first span + 1 losses, the
+        # first window of the hindsight weights' centred average.
+        count = history.count.astype(jnp.float32)
+        gain = jnp.maximum(alpha, 1.0 / jnp.maximum(count, 1.0))
+        level = jnp.where(valid, jnp.where(jnp.isnan(state.level), y,
+                                           state.level + gain * (y - state.level)), state.level)
         envelope = jnp.where(jnp.isnan(state.envelope), level,
                              jnp.minimum(state.envelope, level))
-        start = jnp.where(jnp.isnan(state.start), level, state.start)
+        in_first = valid & (count <= span + 1.0)
+        start = jnp.where(in_first, jnp.where(jnp.isnan(state.start), y,
+                                              state.start + (y - state.start) / count),
+                          state.start)
         drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
         rate = jnp.where(valid, state.rate + alpha * (drop / dt - state.rate), state.rate)
 

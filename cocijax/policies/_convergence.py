@@ -205,6 +205,22 @@ def fit_history(h: History, k_ref) -> Fit:
     )
 
 
+def history_of(x, y) -> History:
+    """The history after adding the points ``(x, y)`` in order (NaN/inf ``y`` skipped)."""
+    return _history_of(jnp.asarray(np.asarray(x, np.float32)),
+                       jnp.asarray(np.asarray(y, np.float32)))
+
+
+@jax.jit
+def _history_of(x, y):
+    def body(h, xy):
+        xi, yi = xy
+        ok = jnp.isfinite(yi)
+        return history_add(h, xi, jnp.where(ok, yi, 0.0), ok), None
+
+    return jax.lax.scan(body, history_init(), (x, y))[0]
+
+
 def fit_points(x, y, k_ref=None) -> Fit:
     """Fits a whole recorded curve through the same history (a convenience for tests).
 
@@ -216,17 +232,5 @@ def fit_points(x, y, k_ref=None) -> Fit:
     Returns:
       The best :class:`Fit`.
     """
-    x = jnp.asarray(np.asarray(x, np.float32))
-    y = jnp.asarray(np.asarray(y, np.float32))
-    k_ref = jnp.max(x) if k_ref is None else k_ref
-    return _fit_points(x, y, k_ref)
-
-
-@jax.jit
-def _fit_points(x, y, k_ref):
-    def body(h, xy):
-        xi, yi = xy
-        return history_add(h, xi, jnp.where(jnp.isfinite(yi), yi, 0.0), jnp.isfinite(yi)), None
-
-    h, _ = jax.lax.scan(body, history_init(), (x, y))
-    return fit_history(h, k_ref)
+    h = history_of(x, y)
+    return fit_history(h, float(np.max(x)) if k_ref is None else k_ref)

@@ -35,7 +35,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-from cocijax.storage import _io, _layout, _manifest, _tree
+from cocijax.storage import _io, _layout, _manifest, _restore, _tree
 from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
 
 _MiB = 1 << 20
@@ -227,7 +227,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 for shard in leaf.addressable_shards:
                     if shard.replica_id != 0:
                         continue
-                    start, stop = _box(shard.index, shape)
+                    start, stop = _layout.box(shard.index, shape)
                     chunks.append(_layout.Chunk(index, start, stop, dtype, len(sources)))
                     sources.append(shard.data)
             elif write_numpy:
@@ -248,12 +248,12 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         jobs_done: set[int] = set()
         for piece in pieces:
             if piece.packed:
-                # Small regions are copied straight into their pack: still one copy each.
+                # Small regions are copied straight into their pack (still one copy each), in
+                # one job per pack: one numpy call instead of a thread hop per leaf.
                 buf = np.empty(piece.shape, piece.dtype)
                 packs[piece.name] = buf
-                for chunk, _, _, offset in piece.members:
-                    dest = buf[offset : offset + math.prod(chunk.shape)].reshape(chunk.shape)
-                    jobs.append(lambda s=sources[chunk.source], d=dest: _copy_into(s, d))
+                members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
+                jobs.append(lambda m=members, b=buf: _pack_into(m, b))
             elif piece.members[0][0].source not in jobs_done:
                 src = piece.members[0][0].source
                 jobs_done.add(src)
@@ -349,60 +349,13 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
           CorruptCheckpointError: a piece is missing, truncated or fails its checksum (names
             the leaf and the file).
         """
-        directory = pathlib.Path(directory)
-        manifest = _manifest.read_manifest(directory)
-        target = None if args is None else args.item
-        if target is None:
-            targets: list[Any] = [None] * len(manifest.leaves)
-            treedef = None
-        else:
-            flat, treedef = _tree.flatten(target)
-            _check_structure(manifest, [jax.tree_util.keystr(p) for p, _ in flat], directory)
-            targets = [leaf for _, leaf in flat]
-        reader = _io.PieceReader(
-            manifest, directory, self._context, self._pool, verify=self._checksums
+        return _restore.restore_tree(
+            pathlib.Path(directory),
+            None if args is None else args.item,
+            self._context,
+            self._pool,
+            verify=self._checksums,
         )
-        by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
-        for p in manifest.pieces:
-            by_leaf[p.leaf].append(p)
-        # Plan every leaf first: bad targets fail before any I/O, and the reader learns how
-        # often each file is needed so it can free it after its last use.
-        plans = [
-            _plan_leaf(reader, rec, t, by_leaf[i], directory)
-            for i, (rec, t) in enumerate(zip(manifest.leaves, targets, strict=True))
-        ]
-        # One flat batch of region reads over all leaves (few asyncio tasks per leaf), then
-        # one batched device_put for every device buffer of every leaf.
-        flat = [
-            (i, j, req, _tree.to_dtype(rec.dtype))
-            for i, (rec, plan) in enumerate(zip(manifest.leaves, plans, strict=True))
-            for j, req in enumerate(plan.requests)
-        ]
-
-        async def run() -> list[np.ndarray]:
-            return await _io.gather_all(_assemble(reader, dt, req) for _, _, req, dt in flat)
-
-        datas = asyncio_utils.run_sync(run()) if flat else []
-        host: list[list[Any]] = [[None] * len(plan.requests) for plan in plans]
-        to_put, devices, owners = [], [], []
-        for (i, j, _, _), data in zip(flat, datas, strict=True):
-            if plans[i].devices is None:
-                host[i][j] = data
-            else:
-                for device in plans[i].devices[j]:
-                    to_put.append(data)
-                    devices.append(device)
-                    owners.append(i)
-        placed: list[list[Any]] = [[] for _ in plans]
-        for i, array in zip(owners, jax.device_put(to_put, devices), strict=True):
-            placed[i].append(array)
-        values = [
-            plan.finish(host[i] if plan.devices is None else placed[i])
-            for i, plan in enumerate(plans)
-        ]
-        if treedef is None:
-            return _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
-        return jax.tree_util.tree_unflatten(treedef, values)
 
     def metadata(self, directory: epath.Path) -> Manifest:
         """The item's :class:`Manifest` (tree, dtypes, shapes, pieces), read without data."""
@@ -424,15 +377,6 @@ def _check_writable(path: pathlib.Path, name: str) -> None:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    start, stop = [], []
-    for s, n in zip(index, shape, strict=True):
-        a, b, _ = s.indices(n)
-        start.append(a)
-        stop.append(b)
-    return tuple(start), tuple(stop)
-
-
 def _host_copy(source: Any) -> np.ndarray:
     """Exactly one copy of ``source`` in host memory that nothing else references."""
     if isinstance(source, jax.Array) and next(iter(source.devices())).platform != "cpu":
@@ -441,8 +385,9 @@ def _host_copy(source: Any) -> np.ndarray:
     return np.array(source, copy=True)
 
 
-def _copy_into(source: Any, dest: np.ndarray) -> None:
-    np.copyto(dest, np.asarray(source).reshape(dest.shape))
+def _pack_into(sources: list[Any], dest: np.ndarray) -> None:
+    """Copies ``sources`` back to back into the flat ``dest`` (one copy, even on CPU)."""
+    np.concatenate([np.asarray(s).reshape(-1) for s in sources], out=dest)
 
 
 def _member_views(snapshot: _Snapshot, piece: _layout.Piece) -> list[np.ndarray]:
@@ -450,134 +395,6 @@ def _member_views(snapshot: _Snapshot, piece: _layout.Piece) -> list[np.ndarray]
         return [snapshot.data(piece)]
     buf = snapshot.packs[piece.name]
     return [buf[offset : offset + math.prod(chunk.shape)] for chunk, _, _, offset in piece.members]
-
-
-def _check_structure(manifest: Manifest, paths: list[str], directory: pathlib.Path) -> None:
-    saved = [leaf.path for leaf in manifest.leaves]
-    if saved == paths:
-        return
-    missing = sorted(set(saved) - set(paths))
-    extra = sorted(set(paths) - set(saved))
-    raise ValueError(
-        f"The restore target's tree differs from the one saved in {directory}: leaves saved "
-        f"but not in the target: {', '.join(missing) or 'none'}; in the target but not saved: "
-        f"{', '.join(extra) or 'none'}" + ("" if missing or extra else "; leaf order differs") + "."
-    )
-
-
-def _target_spec(record: LeafRecord, target: Any, directory: pathlib.Path):
-    """(shape, dtype, sharding or None) the target asks for; ValueError on mismatch."""
-    shape = tuple(int(d) for d in target.shape)
-    dtype = np.dtype(target.dtype)
-    if shape != record.shape or dtype.name != record.dtype:
-        raise ValueError(
-            f"Leaf {record.path} in {directory}: the target asks for shape {shape} dtype "
-            f"{dtype.name}, but the checkpoint holds shape {record.shape} dtype {record.dtype}."
-        )
-    return getattr(target, "sharding", None)
-
-
-# A region to restore: global start, stop, and the (piece, lo, hi) overlaps that fill it.
-_Request = tuple[tuple[int, ...], tuple[int, ...], list[tuple[PieceRecord, tuple, tuple]]]
-
-
-def _request(
-    reader: _io.PieceReader,
-    pieces: list[PieceRecord],
-    start: tuple[int, ...],
-    stop: tuple[int, ...],
-) -> _Request:
-    parts = []
-    for p in pieces:
-        lo = tuple(max(a, c) for a, c in zip(start, p.start, strict=True))
-        hi = tuple(min(b, d) for b, d in zip(stop, p.stop, strict=True))
-        if all(a < b for a, b in zip(lo, hi, strict=True)):
-            parts.append((p, lo, hi))
-            reader.reserve(p)
-    return start, stop, parts
-
-
-async def _assemble(reader: _io.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
-    """The host array of one requested region of one leaf."""
-    start, stop, parts = request
-    shape = tuple(b - a for a, b in zip(start, stop, strict=True))
-    if len(parts) == 1 and parts[0][1] == start and parts[0][2] == stop:
-        # One piece is exactly the region: hand its array over, no extra copy.
-        p, lo, hi = parts[0]
-        return np.asarray(await reader.region(p, lo, hi), dtype=dtype).reshape(shape)
-    out = np.empty(shape, dtype)
-    datas = await _io.gather_all(reader.region(p, lo, hi) for p, lo, hi in parts)
-    for (_, lo, hi), data in zip(parts, datas, strict=True):
-        local = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))
-        out[local] = data
-    return out
-
-
-@dataclasses.dataclass
-class _LeafPlan:
-    """How to restore one leaf.
-
-    Attributes:
-      requests: regions to read.
-      finish: builds the leaf from the requests' host arrays (``devices is None``) or from the
-        device buffers, one per device, in ``devices`` order.
-      devices: per request, the devices that need it; ``None`` for host (numpy) results.
-    """
-
-    requests: list[_Request]
-    finish: Any
-    devices: list[list[Any]] | None = None
-
-
-def _plan_leaf(
-    reader: _io.PieceReader,
-    record: LeafRecord,
-    target: Any,
-    pieces: list[PieceRecord],
-    directory: pathlib.Path,
-) -> _LeafPlan:
-    """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
-    if record.kind in _tree.SCALAR_KINDS:
-        value = {"bool": bool, "int": int, "float": float}[record.kind](record.value)
-        if target is None or isinstance(target, bool | int | float):
-            return _LeafPlan([], lambda _: value)
-        # A saved Python scalar restores into a 0-d array target (e.g. from jax.eval_shape).
-        if tuple(target.shape) != ():
-            raise ValueError(
-                f"Leaf {record.path} in {directory}: the target asks for shape "
-                f"{tuple(target.shape)}, but the checkpoint holds a Python {record.kind}."
-            )
-        data = np.asarray(value, dtype=np.dtype(target.dtype))
-        if isinstance(target, np.ndarray | np.generic):
-            return _LeafPlan([], lambda _: data if isinstance(target, np.ndarray) else data[()])
-        sharding = getattr(target, "sharding", None)
-        return _LeafPlan([], lambda _: jax.device_put(data, sharding))
-    whole = ((0,) * len(record.shape), record.shape)
-    if target is None or isinstance(target, np.ndarray | np.generic):
-        if target is not None:
-            _target_spec(record, target, directory)
-        full = _request(reader, pieces, *whole)
-        scalar = record.kind == "np_scalar" if target is None else isinstance(target, np.generic)
-        return _LeafPlan([full], lambda d: d[0][()] if scalar else d[0])
-    if isinstance(target, bool | int | float):
-        return _LeafPlan([_request(reader, pieces, *whole)], lambda d: type(target)(d[0].item()))
-    if not (hasattr(target, "shape") and hasattr(target, "dtype")):
-        raise ValueError(
-            f"Leaf {record.path}: unsupported restore target {type(target).__name__}; expected "
-            "jax.ShapeDtypeStruct, jax.Array, numpy array/scalar or a Python scalar."
-        )
-    sharding = _target_spec(record, target, directory)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    boxes: dict[tuple, list[Any]] = {}
-    for device, index in sharding.addressable_devices_indices_map(record.shape).items():
-        boxes.setdefault(_box(index, record.shape), []).append(device)
-    requests = [_request(reader, pieces, *box) for box in boxes]
-
-    def finish(arrays: list[jax.Array]) -> jax.Array:
-        return jax.make_array_from_single_device_arrays(record.shape, sharding, arrays)
-
-    return _LeafPlan(requests, finish, devices=list(boxes.values()))
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)

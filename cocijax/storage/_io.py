@@ -42,6 +42,7 @@ def make_context(concurrency: int) -> ts.Context:
             "file_io_concurrency": {"limit": concurrency},
             "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
             # fsyncs each chunk file and its directory before the write future completes.
+            # (Measured: syncing all files once at the end instead was not faster here.)
             "file_io_sync": True,
             # Pieces are written once and read once: a cache only costs memory.
             "cache_pool": {"total_bytes_limit": 0},
@@ -115,7 +116,11 @@ async def write_piece(spec: dict[str, Any], data: np.ndarray, context: ts.Contex
 
 
 def fsync_tree(top: pathlib.Path) -> None:
-    """fsyncs ``top``, every directory below it, and ``top``'s parent (which gained an entry)."""
+    """fsyncs ``top``, every directory below it, and ``top``'s parent (which gained an entry).
+
+    TensorStore already fsynced every file and the directory holding it; the directories it
+    created (``c/``, ``c/0/``) and the stripe directory itself are made durable here.
+    """
     for dirpath, _, _ in os.walk(top):
         _manifest.fsync_dir(dirpath)
     _manifest.fsync_dir(top.parent)

@@ -174,3 +174,13 @@ def _assign(pieces: list[Piece], num_roots: int) -> None:
         load, r = heapq.heappop(loads)
         p.root = r
         heapq.heappush(loads, (load + p.nbytes, r))
+
+
+def box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Global ``(start, stop)`` of an index tuple of slices (e.g. a shard's ``index``)."""
+    start, stop = [], []
+    for s, n in zip(index, shape, strict=True):
+        a, b, _ = s.indices(n)
+        start.append(a)
+        stop.append(b)
+    return tuple(start), tuple(stop)

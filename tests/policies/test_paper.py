@@ -12,13 +12,7 @@ from cocijax.policies import _convergence, _paper
 def test_exp_fit_recovers_the_artifact_model():
     t = np.linspace(0.1, 50.0, 400)  # minutes
     y = np.exp(-0.04 * t + 1.2)
-    h = _convergence.history_init()
-    import jax
-
-    add = jax.jit(_convergence.history_add)
-    for ti, yi in zip(t, y, strict=True):
-        h = add(h, float(ti), float(yi), True)
-    th1, th2 = _paper.fit_exp(h)
+    th1, th2 = _paper.fit_exp(_convergence.history_of(t, y))
     assert float(th1) == pytest.approx(-0.04, rel=0.05)
     assert float(th2) == pytest.approx(1.2, abs=0.05)
 

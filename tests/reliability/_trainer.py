@@ -14,7 +14,9 @@ Run as ``python _trainer.py CONFIG_JSON``. One run does, in order:
 
 Before every ``save`` the digest of the state (sha256 over every leaf's dtype, shape and bytes in
 tree order) is appended to the digests file and fsync'd, keyed by step: the checker can then
-compare a restored step bit for bit whatever instant the kill hit.
+compare a restored step bit for bit whatever instant the kill hit. After every ``save`` call the
+newest committed step is recorded when it changed, so the test can tell whether a kill lost a
+committed step.
 
 Faults (``cfg["fault"]``) make a kill land in a chosen phase deterministically: the named
 function (``"module:Attr.attr"``) is wrapped in this process only, and on its ``at``-th call the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import signal
@@ -97,7 +100,7 @@ def arm_fault(fault: dict[str, Any]) -> None:
 
 
 def _wrap(original: Any, before: Any) -> Any:
-    if _is_coroutine_function(original):
+    if inspect.iscoroutinefunction(original):
 
         @functools.wraps(original)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -112,12 +115,6 @@ def _wrap(original: Any, before: Any) -> Any:
         return original(*args, **kwargs)
 
     return wrapper
-
-
-def _is_coroutine_function(fn: Any) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(fn)
 
 
 def tree_digest(tree: Any) -> str:
@@ -198,7 +195,6 @@ def pause(seconds: float) -> None:
 
 def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any], Any]:
     """The invariants a crash must not break; returns (findings, restored state or None)."""
-    import cocijax as cj
     from cocijax import storage
 
     steps = list(mngr.all_steps())
@@ -233,7 +229,6 @@ def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any]
         findings["bit_exact"] = want == got
         if want != got:
             problems.append(f"step {latest} restored with digest {got}, recorded {want}")
-    del cj
     return findings, restored
 
 
@@ -265,6 +260,7 @@ def main() -> int:
     start = int(findings["latest"] or 0)
     armed = False
     resumed_at = None
+    newest_seen = start
     for step in range(start + 1, start + 1 + cfg["steps"]):
         x, y = batch(step)
         state, loss = train_step(state, x, y)
@@ -284,6 +280,11 @@ def main() -> int:
                 arm_fault(cfg["fault"])
             armed = True
             print("ARMED", flush=True)
+        newest = mngr.latest_step() or 0
+        if newest > newest_seen:
+            # Committed now: no later crash may lose it (the next run's check compares).
+            newest_seen = newest
+            _append_line(cfg["results"], {"kind": "committed", "step": newest})
     mngr.wait_until_finished()
     mngr.close()
     _append_line(cfg["results"], {"kind": "done", "last_step": start + cfg["steps"]})

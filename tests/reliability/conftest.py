@@ -1,59 +1,14 @@
-"""Helpers for the reliability tests: subprocesses, free ports and small tmpfs mounts."""
+"""Fixtures of the reliability tests; helpers live in ``reliability_helpers``."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(devices: int = 1, **extra: str) -> dict[str, str]:
-    """Environment of a JAX child process with ``devices`` simulated CPU devices."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # keep XLA's start-up chatter out of the test output
-    env.update(extra)
-    return env
-
-
-def run_script(
-    script: str, cfg: dict[str, Any], *, devices: int = 1, timeout: float = 120.0
-) -> subprocess.CompletedProcess[str]:
-    """Runs ``tests/reliability/<script> CONFIG_JSON`` to completion and returns its result."""
-    return subprocess.run(
-        [sys.executable, str(HERE / script), json.dumps(cfg)],
-        env=child_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path`` (a line cut by a kill is dropped)."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 @pytest.fixture
@@ -76,42 +31,3 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         # A lazy unmount still detaches the mount if a file in it is open somewhere.
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def item_dir(directory: Path | str, step: int) -> Path:
-    """The ``state`` item directory of ``step`` (where its cocijax manifest lives)."""
-    from cocijax.manager import STATE_ITEM
-
-    return Path(directory) / str(step) / STATE_ITEM
-
-
-@dataclasses.dataclass(frozen=True)
-class PieceOnDisk:
-    """One piece of a committed step as the manifest names it, with its files on disk."""
-
-    leaf: str  # the leaf's key path, as the manifest records it
-    relpath: str  # the zarr array directory relative to its root
-    path: Path  # the zarr array directory
-    index: list[list[int]]  # [start, stop) of the region per dimension
-    process: int  # the process the manifest says wrote it
-
-    @property
-    def files(self) -> list[Path]:
-        return sorted(f for f in self.path.rglob("*") if f.is_file())
-
-
-def pieces(item: Path) -> list[PieceOnDisk]:
-    """Every piece of the item at ``item`` (raises if its manifest is unreadable)."""
-    from cocijax import storage
-
-    manifest = storage.read_manifest(item)
-    return [
-        PieceOnDisk(
-            leaf=manifest.leaves[p.leaf].path,
-            relpath=p.file,
-            path=manifest.piece_path(p, item),
-            index=[[a, b] for a, b in zip(p.start, p.stop, strict=True)],
-            process=p.process,
-        )
-        for p in manifest.pieces
-    ]

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import item_dir, pieces
+from reliability_helpers import item_dir, pieces
 
 import cocijax as cj
 from cocijax import cli, storage
@@ -126,7 +126,7 @@ def test_damaged_piece_is_named_by_verify_restore_and_fallback(
     capsys.readouterr()
 
     with cj.CheckpointManager(directory, roots=roots, policy=cj.policies.fixed(1)) as mngr:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(storage.CorruptCheckpointError) as info:
             mngr.restore(3, target=_abstract())
         message = str(info.value)
         assert leaf in message and victim.name in message, message
@@ -161,9 +161,8 @@ def test_bad_manifest_means_uncommitted_never_an_empty_tree(three_steps, damage:
         assert 3 not in list(mngr.all_steps())
         assert mngr.latest_step() == 2
         _assert_equal(mngr.restore(target=_abstract()), _state(2))
-        with pytest.raises(Exception) as info:
+        with pytest.raises(FileNotFoundError, match="step 3 is not a committed step"):
             mngr.restore(3, target=_abstract())
-        assert "3" in str(info.value)
         # Saving continues after the uncommitted step.
         assert mngr.save(4, _state(4), loss=1.0, force=True)
         mngr.wait_until_finished()
@@ -178,7 +177,7 @@ def test_deleted_stripe_directory_of_one_root(three_steps, capsys) -> None:
     assert cli.main(["verify", str(directory), "--step", "3"]) == 1
     assert str(stripe_dirs[-1].name) in capsys.readouterr().out
     with cj.CheckpointManager(directory, roots=roots, policy=cj.policies.fixed(1)) as mngr:
-        with pytest.raises(Exception, match=stripe_dirs[-1].name):
+        with pytest.raises(storage.CorruptCheckpointError, match=stripe_dirs[-1].name):
             mngr.restore(3, target=_abstract())
         with pytest.warns(RuntimeWarning, match="step 3"):
             _assert_equal(mngr.restore(target=_abstract(), fallback=True), _state(2))

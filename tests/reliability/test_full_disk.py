@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import item_dir
+from reliability_helpers import item_dir
 
 import cocijax as cj
 from cocijax import storage

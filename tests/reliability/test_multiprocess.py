@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, child_env, free_port, item_dir, pieces
+from reliability_helpers import HERE, child_env, free_port, item_dir, pieces
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-multiprocess")]
 
