@@ -316,6 +316,8 @@ def main() -> None:
     console.print(table)
 
     reds = [r["red"] for r in rows]
+    reds_ab = [r["red"] for r in rows if r["scen"] in ("A", "B")]
+    hreds_ab = [r["hred"] for r in rows if r["scen"] in ("A", "B")]
     caps = [r["capture"] for r in rows if math.isfinite(r["capture"])]
     walls = [r["wall"] for r in rows]
     beat_paper = sum(r["coci"] < r["paper"] for r in rows)
@@ -324,6 +326,10 @@ def main() -> None:
     targets = [
         ("median reduction vs best classic >= 15%", f"{100 * statistics.median(reds):.1f}%",
          ok(statistics.median(reds) >= 0.15)),
+        # The issue requires scenarios A and B; C (Weibull) is an addition, so report both.
+        ("  same, scenarios A+B only", f"{100 * statistics.median(reds_ab):.1f}% "
+         f"(bound {100 * statistics.median(hreds_ab):.1f}%)",
+         ok(statistics.median(reds_ab) >= 0.15)),
         ("best reduction >= 25%", f"{100 * max(reds):.1f}%", ok(max(reds) >= 0.25)),
         ("no case worse by more than 5%", f"worst {100 * min(reds):.1f}%",
          ok(min(reds) >= -0.05)),

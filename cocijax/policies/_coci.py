@@ -111,8 +111,8 @@ def coci(
       >>> steps = cj.plan(losses, policy, step_time_s=2.0, checkpoint_cost_s=10.0)
 
     References:
-      Wang et al., `COCI: Convergence-aware optimal checkpointing for exploratory deep learning
-      training jobs <https://doi.org/10.1016/j.future.2023.01.012>`_, FGCS 2023.
+      Li, Wang et al., `Convergence-aware optimal checkpointing for exploratory deep learning
+      training jobs <https://doi.org/10.1016/j.future.2024.107597>`_, FGCS 2024.
       Young, `A first order approximation to the optimum checkpoint interval
       <https://doi.org/10.1145/361147.361115>`_, CACM 1974.
     """

@@ -25,8 +25,8 @@ undefined, so the policy falls back to Young's interval rather than never saving
 on the choice of minutes, which is kept.
 
 References:
-  Wang et al., `COCI: Convergence-aware optimal checkpointing for exploratory deep learning
-  training jobs <https://doi.org/10.1016/j.future.2023.01.012>`_, FGCS 2023; artifact
+  Li, Wang et al., `Convergence-aware optimal checkpointing for exploratory deep learning
+  training jobs <https://doi.org/10.1016/j.future.2024.107597>`_, FGCS 2024; artifact
   https://github.com/wangzc-HPC/COCI.
 """
 

@@ -188,6 +188,22 @@ def build(seed: int, width: int):
     return state, train_step, batch
 
 
+def newest_committed_on_disk(mngr: Any) -> int:
+    """The newest step whose final directory holds a valid manifest (0 if none).
+
+    Read from disk: ``latest_step()`` already lists a step whose async save is still running.
+    """
+    from cocijax import storage
+
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            storage.read_manifest(mngr.item_directory(step))
+        except (ValueError, OSError):
+            continue
+        return step
+    return 0
+
+
 def pause(seconds: float) -> None:
     """Stands for the rest of a training step (data loading, logging); a fault target."""
     time.sleep(seconds)
@@ -280,7 +296,7 @@ def main() -> int:
                 arm_fault(cfg["fault"])
             armed = True
             print("ARMED", flush=True)
-        newest = mngr.latest_step() or 0
+        newest = newest_committed_on_disk(mngr)
         if newest > newest_seen:
             # Committed now: no later crash may lose it (the next run's check compares).
             newest_seen = newest
