@@ -20,7 +20,9 @@ The reference for the blocking time is one single-threaded host copy of the tree
 memory (``np.array(x)`` per leaf), measured in the ``seq`` case.
 
 Run: ``python benchmarks/write_bench.py [--quick] [--dir DIR] [--tmpfs DIR|none] [--repeat N]
-[--no-write]``. Prints a table and rewrites the ``write_bench`` section of BENCHMARKS.md.
+[--no-write] [--from-json FILE]``. Prints a table, rewrites the ``write_bench`` section of
+BENCHMARKS.md and keeps every raw run in ``benchmarks/out/write_bench.json`` (``--from-json``
+re-renders the section from it without measuring).
 """
 
 from __future__ import annotations
@@ -212,8 +214,14 @@ def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def _machine(dirs: dict[str, str]) -> list[str]:
+def _labels(locations: dict[str, str]) -> dict[str, str]:
+    return {f"{k} ({v})": v for k, v in locations.items()}
+
+
+def _machine(dirs: dict[str, str], when: float | None = None) -> list[str]:
     from importlib.metadata import version
+
+    stamp = datetime.datetime.fromtimestamp(when or time.time(), datetime.UTC)
 
     cpu = "unknown"
     with open("/proc/cpuinfo") as f:
@@ -224,7 +232,7 @@ def _machine(dirs: dict[str, str]) -> list[str]:
     with open("/proc/meminfo") as f:
         ram = int(f.readline().split()[1]) * 1024
     lines = [
-        f"- Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"- Date: {stamp:%Y-%m-%d %H:%M} UTC",
         f"- CPU: {cpu}, {os.cpu_count()} cores; RAM {ram / GiB:.0f} GiB",
     ]
     for label, d in dirs.items():
@@ -291,6 +299,11 @@ def _targets(results: dict, trees: list[str], loc: str) -> list[str]:
         frac = get("a", "seq", "commit_s") / get("a", m, "commit_s")
         out.append(_verdict(f"(a) durable commit >= 3x faster than Orbax ({m})", x, 3.0, "x"))
         out.append(_verdict(f"(a) >= 80% of the sequential-write limit ({m})", frac, 0.8, "%"))
+        bound = get("a", "orbax", "commit_s") / get("a", "seq", "commit_s")
+        out.append(
+            f"- Note: Orbax itself ran (a) at {1 / bound:.0%} of the sequential-write limit, so "
+            f"no writer on this device can be more than {bound:.2f}x faster than Orbax here."
+        )
     if "b" in trees:
         m = best["b"]
         x = get("b", "orbax", "commit_s") / get("b", m, "commit_s")
@@ -325,6 +338,21 @@ def _verdict(label: str, value: float, bound: float, kind: str) -> str:
     return f"- {'MET' if ok else 'NOT MET'}: {label}: measured {shown}"
 
 
+def _spread(runs: dict) -> str:
+    """The widest max/min ratio of commit times over the repeats of one case."""
+    worst, case = 1.0, None
+    for key, rs in runs.items():
+        times = [r["commit_s"] for r in rs]
+        if min(times) > 0 and max(times) / min(times) > worst:
+            worst, case = max(times) / min(times), key
+    if case is None:
+        return "one run per case."
+    return (
+        f"the commit times of one case varied by up to {worst:.1f}x between repeats "
+        f"({case[0]} ({case[1]}) {case[2]}), so compare ratios within a row group, not runs."
+    )
+
+
 def _write_section(text: str) -> None:
     begin, end = f"<!-- BEGIN {SECTION} -->", f"<!-- END {SECTION} -->"
     block = f"{begin}\n{text.rstrip()}\n{end}\n"
@@ -349,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", default="abc", help="subset of the trees a, b, c")
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (median kept)")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument(
+        "--from-json",
+        help="re-render the table and section from a results file of an earlier run "
+        "(benchmarks/out/write_bench.json) instead of measuring",
+    )
     parser.add_argument("--_case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._case:
@@ -364,17 +397,31 @@ def main(argv: list[str] | None = None) -> int:
         locations["tmpfs"] = args.tmpfs
     trees = list(args.trees)
     runs: dict[tuple[str, str, str], list[dict]] = {}
-    # Repeats outermost: on a shared machine, load drifts; interleaving spreads it evenly.
-    for rep in range(args.repeat):
-        for loc, base in locations.items():
-            for tree in trees:
-                for method in METHODS:
-                    case = {"tree": tree, "method": method, "quick": args.quick, "base": base}
-                    result = _one(case)
-                    runs.setdefault((loc, tree, method), []).append(result)
-                    console.log(f"[{rep + 1}/{args.repeat}] {loc} ({tree}) {method}: {result}")
-    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_JSON.write_text(json.dumps([[list(k), v] for k, v in runs.items()], indent=1))
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        if isinstance(saved, list):  # First format: runs only; the file time is the run's end.
+            end = os.path.getmtime(args.from_json)
+            saved = {"runs": saved, "machine": _machine(_labels(locations), end)}
+        runs = {tuple(k): v for k, v in saved["runs"]}
+        machine = saved["machine"]
+        trees = sorted({k[1] for k in runs})
+        locations = {loc: base for loc, base in locations.items() if (loc, trees[0], "seq") in runs}
+        args.repeat = len(next(iter(runs.values())))
+    else:
+        # Repeats outermost: on a shared machine, load drifts; interleaving spreads it evenly.
+        for rep in range(args.repeat):
+            for loc, base in locations.items():
+                for tree in trees:
+                    for method in METHODS:
+                        case = {"tree": tree, "method": method, "quick": args.quick, "base": base}
+                        result = _one(case)
+                        runs.setdefault((loc, tree, method), []).append(result)
+                        console.log(f"[{rep + 1}/{args.repeat}] {loc} ({tree}) {method}: {result}")
+        machine = _machine(_labels(locations))
+        if not args.no_write:  # The raw runs behind the BENCHMARKS.md section.
+            RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+            saved = {"runs": [[list(k), v] for k, v in runs.items()], "machine": machine}
+            RESULTS_JSON.write_text(json.dumps(saved, indent=1))
     results = {key: _median(r) for key, r in runs.items()}
 
     rows = _fmt_rows(results, trees, list(locations))
@@ -410,8 +457,10 @@ def main(argv: list[str] | None = None) -> int:
                 "column is empty. `cocijax-N` stripes over N root directories; on this machine "
                 "all roots of a pass share one device, so only tmpfs shows parallel scaling.",
                 "",
+                f"Noise: the machine was shared with other jobs; {_spread(runs)}",
+                "",
                 "Machine:",
-                *_machine({f"{k} ({v})": v for k, v in locations.items()}),
+                *machine,
                 "",
                 *md,
                 *verdicts,
