@@ -19,6 +19,7 @@ deletion never leaves a listed step with half its files; the manager empties tha
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from cocijax._manager_dir import (
     DirectoryLock,
     DirectoryLockedError,
     check_layout,
+    is_committed,
     merge_options,
 )
 from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
@@ -134,12 +136,25 @@ class CheckpointManager:
     ):
         from cocijax import policies
 
+        if not isinstance(directory, str | os.PathLike):
+            raise TypeError(
+                f"directory: expected a path (str or os.PathLike), got {type(directory).__name__}."
+            )
         self._directory = Path(directory).absolute()
+        if self._directory.exists() and not self._directory.is_dir():
+            raise NotADirectoryError(f"directory: {self._directory} exists and is not a directory.")
         self._roots = tuple(Path(r).absolute() for r in roots) if roots else ()
+        # Each checkpoint directory stripes into its own folder on a root, so that the garbage
+        # collection of one manager never sees (and removes) the stripes of another directory
+        # sharing the root. Derived from the path, not random, so that every process of a job
+        # agrees on it without communicating.
+        namespace = ".cocijax-" + hashlib.sha256(str(self._directory).encode()).hexdigest()[:16]
+        self._stripe_roots = tuple(root / namespace for root in self._roots)
         self._clock = clock
         self._closed = False
         self._lock: DirectoryLock | None = None
         self._stripe_cache: dict[tuple[str, int], set[Path]] = {}
+        self._committed: set[int] = set()
         options = merge_options(
             options,
             max_to_keep=max_to_keep,
@@ -159,11 +174,11 @@ class CheckpointManager:
             self._lock = DirectoryLock(self._directory)
             self._lock.acquire()
         try:
-            self._uncommitted = check_layout(self._directory, self._roots)
+            self._uncommitted = check_layout(self._directory, self._stripe_roots)
             for entry in self._uncommitted:
                 log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
             handler = storage.StripedCheckpointHandler(
-                roots=list(self._roots), **(handler_options or {})
+                roots=list(self._stripe_roots), **(handler_options or {})
             )
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             registry.add(STATE_ITEM, storage.StripedSave, handler)
@@ -207,6 +222,11 @@ class CheckpointManager:
         return self._roots
 
     @property
+    def stripe_roots(self) -> tuple[Path, ...]:
+        """Where this directory's stripes go: one folder per root, private to this directory."""
+        return self._stripe_roots
+
+    @property
     def policy_state(self) -> Any:
         """The current policy state (a pytree of arrays)."""
         return self._driver.state
@@ -223,12 +243,22 @@ class CheckpointManager:
         return self._restored_step
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        return sorted(self.orbax.all_steps())
+        """Committed steps, oldest first: a save still in flight is not listed."""
+        # Orbax lists a step as soon as its save starts; committed means the manifest is there.
+        # A manifest, once valid, stays so: each step directory is read once.
+        steps = sorted(self.orbax.all_steps())
+        self._committed &= set(steps)
+        for step in steps:
+            if step not in self._committed and is_committed(
+                self._directory / self._name_format.build_name(step)
+            ):
+                self._committed.add(step)
+        return [step for step in steps if step in self._committed]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        return self.orbax.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def item_directory(self, step: int) -> Path:
         """The directory of the ``state`` item of ``step`` (holds the cocijax manifest)."""
@@ -259,7 +289,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not hasattr(step, "__index__"):
             raise TypeError(f"step: expected an int, got {type(step).__name__}.")
         step = step.__index__()
-        latest = self.latest_step()
+        latest = self.orbax.latest_step()  # includes a save still in flight
         if latest is not None and step <= latest:
             raise ValueError(
                 f"step: {step} is not after the latest saved step {latest} in {self._directory}; "
@@ -357,13 +387,13 @@ class CheckpointManager:
         if trash.is_dir():
             for entry in trash.iterdir():
                 shutil.rmtree(entry, ignore_errors=True)
-        if not self._roots:
+        if not self._stripe_roots:
             return
         referenced: set[Path] = set()
         for entry in self._directory.iterdir():
             if STEP_RE.match(entry.name):
                 referenced |= self._stripes_of(entry)
-        for root in self._roots:
+        for root in self._stripe_roots:
             for stripe_dir in storage.find_stripe_dirs(root):
                 if stripe_dir.resolve() not in referenced:
                     log.info("removing unreferenced stripe directory %s", stripe_dir)
@@ -483,6 +513,7 @@ class CheckpointManager:
             )
         self.orbax.wait_until_finished()
         self.orbax.delete(step)
+        self._committed.discard(step)
         self._collect_garbage()
 
     def wait_until_finished(self) -> None:

@@ -41,7 +41,8 @@ def assert_trees_bit_equal(a, b):
 
 
 def stripes(root: Path) -> set[Path]:
-    return {p.resolve() for p in storage.find_stripe_dirs(root)}
+    """Every stripe directory on ``root``, in whichever checkpoint directory's folder it is."""
+    return {p.resolve() for p in root.rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
 
 
 def referenced(mngr: cj.CheckpointManager) -> set[Path]:
@@ -323,3 +324,18 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
         for step in (3, 6, 7):
             assert_trees_bit_equal(mngr.restore(step, target=abstract(small_state(step))),
                                    small_state(step))
+
+
+def test_a_save_in_flight_is_not_listed_until_committed(tmp_path):
+    # 48 MiB: the async write is usually still running when save() returns. Whatever the timing,
+    # every step listed must already have its manifest, and the step is listed once finished.
+    state = {"w": np.ones((12, 1 << 20), np.float32)}
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
+        assert mngr.save(1, state, loss=1.0)
+        for step in mngr.all_steps():
+            assert (mngr.item_directory(step) / storage.MANIFEST_NAME).is_file()
+        assert mngr.latest_step() in (None, 1)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1] and mngr.latest_step() == 1
+        mngr.delete(1)
+        assert mngr.all_steps() == [] and mngr.latest_step() is None

@@ -173,14 +173,14 @@ def test_manager_creates_missing_directory_and_roots(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", [123, None, 1.5], ids=["int", "none", "float"])
 def test_manager_rejects_wrong_directory_type(bad: Any) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="directory: expected a path"):
         cj.CheckpointManager(bad, policy=P.fixed(1))
 
 
 def test_manager_rejects_directory_that_is_a_file(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises((ValueError, OSError), match=str(f)):
+    with pytest.raises(NotADirectoryError, match=f"directory: {f} exists and is not a dir"):
         cj.CheckpointManager(f, policy=P.fixed(1))
 
 

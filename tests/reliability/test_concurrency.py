@@ -143,11 +143,6 @@ def test_second_writer_gets_a_clear_error(tmp_path: Path, capsys) -> None:
     assert after.returncode == 0 and "saved" in after.stdout, after.stdout + after.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: start-up GC removes every stripe on a root that its own directory does "
-    "not reference, including the committed stripes of another manager sharing the root",
-)
 def test_two_directories_sharing_a_root_keep_each_others_data(tmp_path: Path) -> None:
     shared = tmp_path / "shared_root"
     state = {"w": np.arange(4, dtype=np.float32)}

@@ -105,5 +105,6 @@ def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
         for step in mngr.all_steps():
             referenced |= {Path(p).resolve() for p in
                            storage.referenced_stripe_dirs(item_dir(directory, step))}
-        on_disk = {Path(p).resolve() for r in roots for p in storage.find_stripe_dirs(r)}
+        on_disk = {p.resolve() for r in roots
+                   for p in Path(r).rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
         assert on_disk == referenced
