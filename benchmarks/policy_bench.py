@@ -19,7 +19,6 @@ import argparse
 import csv
 import datetime
 import math
-import os
 import platform
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from _report import cpu_and_ram, write_section
 from rich.console import Console
 from rich.table import Table
 
@@ -39,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CURVES = ROOT.parent / "shared" / "loss_curves"
 OUT = ROOT / "benchmarks" / "out"
 DOC_PNG = ROOT / "docs" / "policy_bench.png"
-BENCH_MD = ROOT / "BENCHMARKS.md"
 SECTION = "policy_bench"
 JOB_S = 8 * 3600.0
 TIME_WEIGHT = 0.25
@@ -179,42 +178,14 @@ def speed_checks() -> dict[str, float]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = "?"
-    try:
-        with open("/proc/meminfo") as f:
-            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB"
-    except OSError:
-        pass
     try:
         fs = subprocess.run(["df", "-T", str(ROOT)], capture_output=True, text=True,
                             check=False).stdout.splitlines()[-1].split()[1]
     except (OSError, IndexError):
         fs = "?"
-    return (f"{cpu}, {os.cpu_count()} cores, {mem} RAM, filesystem {fs}; "
+    return (f"{cpu_and_ram()}, filesystem {fs}; "
             f"{datetime.date.today().isoformat()}; Python {platform.python_version()}, "
             f"jax {jax.__version__}, numpy {np.__version__}")
-
-
-def write_section(text: str) -> None:
-    begin, end = f"<!-- BEGIN {SECTION} -->", f"<!-- END {SECTION} -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}\n"
-    old = BENCH_MD.read_text() if BENCH_MD.exists() else "# Benchmarks\n\n"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        new = head + block + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    BENCH_MD.write_text(new)
 
 
 def plot(cases, marks_case) -> None:
@@ -404,7 +375,7 @@ def main() -> None:
                   f"{speed['plan_20k_s']:.3f} s; `cj.sim.simulate`, 1000 trials x 20,000 steps "
                   f"(MTBF 48 min): {speed['simulate_1000x20k_s']:.2f} s.",
               "", "![policy benchmark](docs/policy_bench.png)"]
-    write_section("\n".join(lines))
+    write_section(SECTION, "\n".join(lines))
 
 
 if __name__ == "__main__":

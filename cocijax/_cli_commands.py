@@ -384,6 +384,8 @@ def bench(argv: list[str]) -> int:
             "(benchmarks/write_bench.py); run from a git checkout installed with pip install -e",
             code=1,
         )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # for the benchmarks' shared _report module
     spec = importlib.util.spec_from_file_location("cocijax_write_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

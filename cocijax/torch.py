@@ -255,13 +255,17 @@ class CheckpointManager:
             else:
                 self._pending = self._executor.submit(self._commit, step, tmp, meta, write)
         except BaseException:
-            with self._lock:
-                if step in self._steps:
-                    self._steps.remove(step)
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._abandon(step, tmp)
             raise
         self._last_return = self._clock()
         return True
+
+    def _abandon(self, step: int, tmp: Path) -> None:
+        """Forgets a save that failed and removes what it wrote."""
+        with self._lock:
+            if step in self._steps:
+                self._steps.remove(step)
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def _commit(self, step: int, tmp: Path, meta: dict, write: Any) -> None:
         """Waits for the DCP write, then publishes ``tmp`` as ``<step>`` atomically."""
@@ -276,10 +280,7 @@ class CheckpointManager:
             os.rename(tmp, self._dir / str(step))
             _fsync_dir(self._dir)
         except BaseException:
-            with self._lock:
-                if step in self._steps:
-                    self._steps.remove(step)
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._abandon(step, tmp)
             raise
         self._garbage_collect()
 

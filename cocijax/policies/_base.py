@@ -19,6 +19,7 @@ added to the convergence history again.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax.numpy as jnp
@@ -141,34 +142,27 @@ def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarra
     return tau, cost
 
 
-def check_positive(name: str, value: float) -> float:
-    """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
+def _check_number(name: str, value: float, expected: str, ok: Callable[[float], bool]) -> float:
+    """``float(value)`` if it is finite and ``ok``, else a ``ValueError`` naming ``name``."""
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}.") from None
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+        v = math.nan
+    if not (math.isfinite(v) and ok(v)):
+        raise ValueError(f"{name} must be {expected}, got {value!r}.")
     return v
+
+
+def check_positive(name: str, value: float) -> float:
+    """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
+    return _check_number(name, value, "a positive finite number", lambda v: v > 0)
 
 
 def check_unit(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is in [0, 1], else raises ``ValueError`` naming ``name``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}.") from None
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
-    return v
+    return _check_number(name, value, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
 def check_nonnegative(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is finite and >= 0, else raises ``ValueError``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}.") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")
-    return v
+    return _check_number(name, value, "a non-negative finite number", lambda v: v >= 0)

@@ -1,0 +1,40 @@
+"""What every benchmark records beside its numbers: the machine and its BENCHMARKS.md section."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BENCH_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+
+
+def cpu_and_ram() -> str:
+    """``<CPU model>, <n> cores; RAM <n> GiB`` read from /proc (``?`` where unavailable)."""
+    cpu, ram = "unknown CPU", "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+        with open("/proc/meminfo") as f:
+            ram = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores; RAM {ram}"
+
+
+def write_section(section: str, text: str) -> None:
+    """Replaces the lines between ``<!-- BEGIN section -->`` and ``<!-- END section -->``.
+
+    Other sections of BENCHMARKS.md stay as they are; a missing section is appended.
+    """
+    begin, end = f"<!-- BEGIN {section} -->", f"<!-- END {section} -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    current = BENCH_MD.read_text() if BENCH_MD.exists() else "# Benchmarks\n\n"
+    if begin in current and end in current:
+        head, rest = current.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
+    else:
+        new = current.rstrip("\n") + "\n\n" + block
+    BENCH_MD.write_text(new)
