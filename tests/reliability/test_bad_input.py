@@ -7,8 +7,6 @@ The README's "Bad input" table names the test behind each row. Errors must name 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -311,24 +309,6 @@ def test_handler_rejects_duplicate_and_file_roots(tmp_path: Path) -> None:
     f.write_text("x")
     with pytest.raises((ValueError, OSError), match=str(f)):
         cj.StripedCheckpointHandler(roots=[f])
-
-
-@pytest.fixture
-def read_only_root(tmp_path: Path):
-    """A read-only tmpfs: root ignores permission bits, so only a read-only mount stops it."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_read_only_root_fails_at_construction(tmp_path: Path, read_only_root: Path) -> None:
