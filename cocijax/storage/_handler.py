@@ -97,7 +97,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
           small_bytes: regions below this size are packed, per dtype, into shared flat arrays.
           compression: ``None`` or ``"zstd"`` (zarr3 codec).
           compression_level: zstd level.
-          checksums: record CRC-32s at save and verify them at restore.
+          checksums: record xxh3_64 checksums at save and verify them at restore.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
 
@@ -307,7 +307,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 )
         part = Manifest(
             version=_manifest.VERSION,
-            checksum="crc32" if self._checksums else None,
+            checksum=_io.CHECKSUM if self._checksums else None,
             roots=tuple(None if r is None else str(r) for r in self._roots),
             leaves=tuple(snapshot.leaves),
             pieces=tuple(records),

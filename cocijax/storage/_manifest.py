@@ -92,7 +92,7 @@ class PieceRecord:
       offset: for a packed piece, the element offset of this region inside the flat 1-D zarr
         array that packs several small leaves; ``None`` when the zarr array holds exactly the
         region with the leaf's rank.
-      checksum: CRC-32 of the region's C-order bytes, ``None`` when checksums were off.
+      checksum: xxh3_64 of the region's C-order bytes, ``None`` when checksums were off.
       process: index of the process that wrote it.
     """
 
@@ -116,7 +116,7 @@ class Manifest:
 
     Attributes:
       version: format version.
-      checksum: checksum algorithm (``"crc32"``) or ``None``.
+      checksum: checksum algorithm (``"xxh3_64"``) or ``None``.
       roots: absolute root directories; ``None`` stands for the item directory itself.
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.

@@ -150,7 +150,7 @@ def test_manifest_json_is_plain_and_versioned(saved):
     _, item = saved
     data = json.loads((item / cj.storage.MANIFEST_NAME).read_text())
     assert data["format"] == _manifest.FORMAT and data["version"] == _manifest.VERSION
-    assert data["checksum"] == "crc32"
+    assert data["checksum"] == "xxh3_64"
     assert {leaf["path"] for leaf in data["leaves"]} == {
         "['big']", "['small']['a']", "['small']['b']"
     }  # fmt: skip
