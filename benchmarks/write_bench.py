@@ -432,11 +432,12 @@ def main(argv: list[str] | None = None) -> int:
                 "## write_bench: striped async checkpoint writes",
                 "",
                 f"Command: `{cmd}` (repeat={args.repeat}, median). `seq` is one sequential "
-                "write of the same bytes plus one fsync (the device limit); its blocking "
+                "write of the same bytes plus one fsync (one stream: what the issue calls the "
+                "device limit; parallel writes can exceed it on this virtual disk); its blocking "
                 "column is empty. `cocijax-N` stripes over N root directories; on this machine "
                 "all roots of a pass share one device, so only tmpfs shows parallel scaling.",
                 "",
-                f"Noise: the machine was shared with other jobs; {_spread(runs)}",
+                f"Noise: this is a shared virtual machine; {_spread(runs)}",
                 "",
                 "Machine:",
                 *machine,
