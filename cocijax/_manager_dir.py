@@ -3,7 +3,8 @@
 What a cocijax directory may hold: step directories (``<step>/state`` written by the striped
 handler, ``<step>/policy`` the policy state), Orbax's temporary directories, the trash Orbax
 renames dropped steps into, the writer's lock file, and (when the directory is also a storage
-root) stripe directories. A step is *committed* when its ``state`` manifest is present and valid.
+root) its hidden stripe folder. A step is *committed* when its ``state`` manifest is present
+and valid.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import fcntl
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +79,16 @@ class CommittedStepFormat:
         return metadata
 
 
-def check_layout(directory: Path, roots: Sequence[Path]) -> list[Path]:
+def check_layout(directory: Path) -> list[Path]:
     """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
 
-    Allowed: step directories holding a ``state`` item, Orbax temporary directories, our lock
-    and trash, stripe directories (when ``directory`` is also a root) and hidden files.
+    Allowed: step directories holding a ``state`` item, Orbax temporary directories, and hidden
+    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder).
     """
-    stripes = set()
-    if directory in roots:
-        stripes = {p.resolve() for p in storage.find_stripe_dirs(directory)}
     uncommitted = []
     for entry in sorted(directory.iterdir()):
         name = entry.name
-        if name.startswith(".") or TMP_MARK in name or entry.resolve() in stripes:
+        if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
             if not (entry / STATE_ITEM).is_dir():

@@ -172,7 +172,6 @@ class PolicyDriver:
             "leaves": jax.tree.leaves(self.state),
             "step": self.step,
             "step_time_s": self.step_time_s,
-            "cost_s": self.cost_s,
             "loss": loss,
         }
 

@@ -134,7 +134,8 @@ def format_duration(seconds: float) -> str:
     """Formats seconds for people: ``250ms``, ``1.5s``, ``2m05s``, ``1h30m``, ``2d3h``.
 
     Precision follows magnitude (three significant digits below a minute; whole seconds below
-    an hour; whole minutes above), and ``parse_duration`` reads every output back.
+    an hour; whole minutes above), and ``parse_duration`` reads back every output for a finite,
+    non-negative duration.
 
     Args:
       seconds: the duration in seconds; NaN and infinities are returned as ``nan``/``inf``.

@@ -20,6 +20,7 @@ deletion never leaves a listed step with half its files; the manager empties tha
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -162,6 +163,7 @@ class CheckpointManager:
             preservation_policy=preservation_policy,
         )
         self._read_only = options.read_only
+        self._async = options.enable_async_checkpointing
         self._name_format = options.step_name_format
         self._primary = jax.process_index() == (options.multiprocessing_options.primary_host or 0)
         self._driver = PolicyDriver(policies.coci() if policy is None else policy)
@@ -174,11 +176,13 @@ class CheckpointManager:
             self._lock = DirectoryLock(self._directory)
             self._lock.acquire()
         try:
-            self._uncommitted = check_layout(self._directory, self._stripe_roots)
+            self._uncommitted = check_layout(self._directory)
             for entry in self._uncommitted:
                 log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
             handler = storage.StripedCheckpointHandler(
-                roots=list(self._stripe_roots), **(handler_options or {})
+                # A reader needs no roots (the manifest names them) and must not create them.
+                roots=[] if self._read_only else list(self._stripe_roots),
+                **(handler_options or {}),
             )
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             registry.add(STATE_ITEM, storage.StripedSave, handler)
@@ -196,6 +200,8 @@ class CheckpointManager:
             if latest is not None:
                 self._load_policy(latest)
         except BaseException:
+            if hasattr(self, "orbax"):
+                self.orbax.close()
             self._release_lock()
             raise
         self._pending_loss: Any = None
@@ -344,6 +350,12 @@ class CheckpointManager:
             self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
             self._collect_garbage()
             self._clear_uncommitted(step)
+            if not self._async:
+                # A synchronous Orbax save waits for every item, the policy item included, so
+                # that item records the cost measured so far; the policy itself is fed the
+                # whole blocking time below.
+                measured["cost_s"] = self._clock() - start
+                ready.set()
             self.orbax.save(
                 step,
                 args=ocp.args.Composite(
@@ -392,30 +404,44 @@ class CheckpointManager:
         referenced: set[Path] = set()
         for entry in self._directory.iterdir():
             if STEP_RE.match(entry.name):
-                referenced |= self._stripes_of(entry)
+                refs = self._stripes_of(entry)
+                if refs is None:
+                    return  # a step whose stripes are unknown: removing any could lose its data
+                referenced |= refs
         for root in self._stripe_roots:
             for stripe_dir in storage.find_stripe_dirs(root):
                 if stripe_dir.resolve() not in referenced:
                     log.info("removing unreferenced stripe directory %s", stripe_dir)
                     shutil.rmtree(stripe_dir, ignore_errors=True)
 
-    def _stripes_of(self, step_dir: Path) -> set[Path]:
-        """Stripe directories a step references (empty if it is not committed), cached.
+    def _stripes_of(self, step_dir: Path) -> set[Path] | None:
+        """Stripe directories a step references; None when that cannot be known.
 
-        A committed manifest never changes, so it is read once per step directory and manifest
-        version (its modification time), not at every save.
+        No manifest, or one that is not JSON (torn), means an uncommitted step: nothing is
+        referenced. A manifest that is JSON but cannot be interpreted (say, a newer format) or
+        cannot be read (I/O error) gives None, and the caller then removes nothing. A committed
+        manifest never changes, so a known answer is cached per step directory and manifest
+        version (its modification time).
         """
         manifest = step_dir / STATE_ITEM / storage.MANIFEST_NAME
         try:
             key = (str(step_dir), manifest.stat().st_mtime_ns)
-        except OSError:
+            if key in self._stripe_cache:
+                return self._stripe_cache[key]
+            json.loads(manifest.read_text())
+        except FileNotFoundError:
             return set()
-        if key not in self._stripe_cache:
-            try:
-                refs = storage.referenced_stripe_dirs(step_dir / STATE_ITEM)
-            except (ValueError, OSError, KeyError, TypeError):
-                refs = set()
-            self._stripe_cache[key] = {p.resolve() for p in refs}
+        except json.JSONDecodeError:
+            return set()
+        except OSError as e:
+            log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
+            return None
+        try:
+            refs = storage.referenced_stripe_dirs(step_dir / STATE_ITEM)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
+            return None
+        self._stripe_cache[key] = {p.resolve() for p in refs}
         return self._stripe_cache[key]
 
     # -- restore ----------------------------------------------------------------------------
@@ -528,12 +554,14 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self.orbax.wait_until_finished()
+            self.orbax.wait_until_finished()  # re-raises a failed save: close all the same
             self._collect_garbage()
-            self.orbax.close()
         finally:
-            self._closed = True
-            self._release_lock()
+            try:
+                self.orbax.close()
+            finally:
+                self._closed = True
+                self._release_lock()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -48,6 +48,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import numpy as np
 
 from cocijax import policies as _policies
+from cocijax._manager_dir import DirectoryLock
 from cocijax._policy_driver import PolicyDriver
 from cocijax.manager import Measurements
 
@@ -133,6 +134,9 @@ class CheckpointManager:
         self._dir = Path(directory)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._driver = PolicyDriver(policy if policy is not None else _policies.coci())
+        # Before anything is cleaned up: a second writer would remove the first's save in flight.
+        self._dir_lock = DirectoryLock(self._dir)
+        self._dir_lock.acquire()
         self._max_to_keep = max_to_keep
         self._use_async = use_async
         self._clock = clock
@@ -421,9 +425,18 @@ class CheckpointManager:
         finally:
             self._executor.shutdown(wait=True)
             self._closed = True
+            self._dir_lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
+
+    def __del__(self):
+        # A manager dropped without close() must not keep the directory locked; at interpreter
+        # exit the modules used here may already be gone, hence the broad guard.
+        try:  # noqa: SIM105
+            self._dir_lock.release()
+        except Exception:
+            pass
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -293,6 +294,42 @@ def test_read_only_manager_lists_and_restores_beside_a_writer(tmp_path):
         with pytest.raises(ValueError, match="read_only"):
             reader.save(2, state, loss=1.0)
         reader.close()
+    # A reader needs no storage roots and creates none (they may be read-only mounts).
+    reader = cj.CheckpointManager(tmp_path / "ck", roots=[tmp_path / "absent"],
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+    reader.close()
+    assert not (tmp_path / "absent").exists()
+
+
+def test_synchronous_saves_commit_and_restore(tmp_path):
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with cj.CheckpointManager(tmp_path / "ck", roots=[tmp_path / "r0"], options=options,
+                              policy=cj.policies.fixed(1)) as mngr:
+        for step in (1, 2):
+            assert mngr.save(step, small_state(step), loss=1.0)
+            assert mngr.all_steps()[-1] == step  # committed when save returns
+        assert_trees_bit_equal(mngr.restore(2, target=abstract(small_state(2))), small_state(2))
+        assert mngr.measurements.last_save_s > 0
+
+
+def test_gc_keeps_every_stripe_while_a_manifest_cannot_be_interpreted(tmp_path):
+    roots = [tmp_path / "r0"]
+    ck = tmp_path / "ck"
+    with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1)) as mngr:
+        mngr.save(1, small_state(1), loss=1.0)
+        mngr.save(2, small_state(2), loss=1.0)
+        mngr.wait_until_finished()
+        before = stripes(roots[0])
+        manifest = mngr.item_directory(1) / storage.MANIFEST_NAME
+    # What a newer cocijax might write: valid JSON that this version cannot interpret.
+    data = json.loads(manifest.read_text())
+    data["version"] += 1
+    manifest.write_text(json.dumps(data))
+    orphan = next(iter(before)).parent / f"{storage.STRIPE_PREFIX}orphan"
+    orphan.mkdir()
+    with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1)) as mngr:
+        assert mngr.all_steps() == [2]
+        assert before | {orphan.resolve()} == stripes(roots[0])  # nothing removed, not even it
 
 
 def test_restore_falls_back_to_the_newest_intact_step(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 import cocijax as cj
 import cocijax.torch as cjt
+from cocijax.manager import DirectoryLockedError
 
 # cocijax.torch silences this DCP warning at import; pytest resets filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
@@ -195,7 +196,19 @@ def test_max_to_keep_removes_old_steps(tmp_path):
         assert mngr.all_steps() == [4, 5]
         with pytest.raises(FileNotFoundError, match="step 3"):
             mngr.restore(step=3, target={"model": model, "optimizer": opt})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["4", "5"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["4", "5"]
+
+
+def test_a_second_writer_on_a_directory_gets_a_clear_error(tmp_path):
+    # Without the lock, the second manager's start-up clean-up would remove the first one's
+    # save in flight.
+    with (
+        cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)),
+        pytest.raises(DirectoryLockedError, match=str(tmp_path)),
+    ):
+        cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1))
+    with cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr:  # released
+        assert mngr.all_steps() == []
 
 
 def test_nan_and_inf_losses_still_save(tmp_path):

@@ -7,7 +7,6 @@ step), with the interval recomputed every call from the smoothed checkpoint cost
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -172,8 +171,3 @@ def checkfreq(max_overhead: float = 0.05, *,
         return save, ClassicState(_base.clock_saved(clock, save))
 
     return Policy(init, update)
-
-
-def young_interval_np(checkpoint_cost_s: float, mtbf_s: float) -> float:
-    """Young's interval as a Python float (for tests and benchmarks)."""
-    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)

@@ -14,9 +14,11 @@ from cocijax.policies._base import Policy
 def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarray:
     """Runs ``policy`` online over ``losses`` and returns the steps it saves at.
 
-    Step ``i`` (1-based) sees ``losses[i - 1]`` and only the history before it, exactly as in
-    training. The loop is a ``jax.lax.scan``, so a 20k-step history plans in well under a second
-    after compilation.
+    Step ``i`` (1-based) sees ``losses[i - 1]`` and only the history before it: the policy as
+    it would run in training if told each step's loss at once. (:class:`cocijax.CheckpointManager`
+    passes each loss and step time one call late so as not to wait for the device, which shifts
+    its decisions by at most a step.) The loop is a ``jax.lax.scan``, so a 20k-step history
+    plans in well under a second after compilation.
 
     Args:
       losses: 1-D array of per-step losses (NaN/inf allowed).
