@@ -16,8 +16,8 @@ def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarra
 
     Step ``i`` (1-based) sees ``losses[i - 1]`` and only the history before it: the policy as
     it would run in training if told each step's loss at once. (:class:`cocijax.CheckpointManager`
-    passes each loss and step time one call late so as not to wait for the device, which shifts
-    its decisions by at most a step.) The loop is a ``jax.lax.scan``, so a 20k-step history
+    passes each loss and step time one call late so as not to wait for the device, so its
+    decisions can differ slightly.) The loop is a ``jax.lax.scan``, so a 20k-step history
     plans in well under a second after compilation.
 
     Args:
