@@ -429,9 +429,7 @@ class CheckpointManager:
             if key in self._stripe_cache:
                 return self._stripe_cache[key]
             json.loads(manifest.read_text())
-        except FileNotFoundError:
-            return set()
-        except json.JSONDecodeError:
+        except (FileNotFoundError, json.JSONDecodeError):
             return set()
         except OSError as e:
             log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)

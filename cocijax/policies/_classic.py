@@ -37,7 +37,11 @@ def daly_interval(checkpoint_cost_s, mtbf_s):
     return jnp.where(c < 2.0 * m, tau, m)
 
 
-def _interval_policy(interval_fn, cost_prior_s: float) -> Policy:
+def _interval_policy(interval_fn, mtbf_s: float, cost_prior_s: float) -> Policy:
+    """Saves once ``interval_fn(cost, mtbf_s)`` seconds of training passed since the last save."""
+    mtbf_s = _base.check_positive("mtbf_s", mtbf_s)
+    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+
     def init():
         return ClassicState(_base.clock_init())
 
@@ -45,7 +49,7 @@ def _interval_policy(interval_fn, cost_prior_s: float) -> Policy:
         del loss
         clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
-        save = clock.since_save >= interval_fn(cost) - 0.5 * tau
+        save = clock.since_save >= interval_fn(cost, mtbf_s) - 0.5 * tau
         return save, ClassicState(_base.clock_saved(clock, save))
 
     return Policy(init, update)
@@ -102,9 +106,7 @@ def young(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Polic
       Young, `A first order approximation to the optimum checkpoint interval
       <https://doi.org/10.1145/361147.361115>`_, CACM 1974.
     """
-    m = _base.check_positive("mtbf_s", mtbf_s)
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
-    return _interval_policy(lambda c: young_interval(c, m), cost_prior_s)
+    return _interval_policy(young_interval, mtbf_s, cost_prior_s)
 
 
 def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
@@ -124,9 +126,7 @@ def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy
       Daly, `A higher order estimate of the optimum checkpoint interval for restart dumps
       <https://doi.org/10.1016/j.future.2004.11.016>`_, FGCS 2006.
     """
-    m = _base.check_positive("mtbf_s", mtbf_s)
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
-    return _interval_policy(lambda c: daly_interval(c, m), cost_prior_s)
+    return _interval_policy(daly_interval, mtbf_s, cost_prior_s)
 
 
 def checkfreq(max_overhead: float = 0.05, *,
