@@ -120,16 +120,28 @@ def plan_policies(history: LossHistory, names, args: argparse.Namespace) -> list
             progress.update(task, description=f"planning {name}")
             policy = _make_policy(name, args, n)
             saves = np.asarray(
-                cj.plan(history.losses, policy, step_time_s=args.step_time,
-                        checkpoint_cost_s=args.ckpt_cost)
+                cj.plan(
+                    history.losses,
+                    policy,
+                    step_time_s=args.step_time,
+                    checkpoint_cost_s=args.ckpt_cost,
+                )
             )
             res = sim.simulate(
-                saves, n_steps=n, step_time_s=args.step_time, checkpoint_cost_s=args.ckpt_cost,
-                recovery_s=args.recovery, mtbf_s=args.mtbf, weibull_shape=args.weibull_shape,
-                weights=weights, trials=args.trials, seed=args.seed,
+                saves,
+                n_steps=n,
+                step_time_s=args.step_time,
+                checkpoint_cost_s=args.ckpt_cost,
+                recovery_s=args.recovery,
+                mtbf_s=args.mtbf,
+                weibull_shape=args.weibull_shape,
+                weights=weights,
+                trials=args.trials,
+                seed=args.seed,
             )
-            rows.append(PlanRow(name, saves, float(res.wall_overhead_s),
-                                float(res.weighted_overhead_s)))
+            rows.append(
+                PlanRow(name, saves, float(res.wall_overhead_s), float(res.weighted_overhead_s))
+            )
             progress.advance(task)
     return rows
 
@@ -189,7 +201,10 @@ def plot_plan(history: LossHistory, rows: list[PlanRow], path: str) -> None:
 
     n_pol = len(rows)
     fig, (ax_loss, ax_marks, ax_cum) = plt.subplots(
-        3, 1, figsize=(9, 8), sharex=True,
+        3,
+        1,
+        figsize=(9, 8),
+        sharex=True,
         gridspec_kw={"height_ratios": [3, 0.35 * n_pol + 0.5, 2]},
     )
     x = history.steps
@@ -255,7 +270,8 @@ def find_steps(directory: str | Path) -> list[StepDir]:
         else:
             raise CliError(
                 f"{entry} is a step directory without a '{STATE_ITEM}' item or "
-                f"{TORCH_METADATA}: {directory} was not written by cocijax", code=2,
+                f"{TORCH_METADATA}: {directory} was not written by cocijax",
+                code=2,
             )
     return sorted(steps)
 
@@ -285,8 +301,11 @@ def _step_size(step: StepDir) -> int:
 def _step_time(step: StepDir) -> float:
     from cocijax import storage
 
-    marker = (step.path / STATE_ITEM / storage.MANIFEST_NAME if step.kind == "jax"
-              else step.path / TORCH_METADATA)
+    marker = (
+        step.path / STATE_ITEM / storage.MANIFEST_NAME
+        if step.kind == "jax"
+        else step.path / TORCH_METADATA
+    )
     return (marker if marker.exists() else step.path).stat().st_mtime
 
 
@@ -308,8 +327,12 @@ def ls(args: argparse.Namespace) -> int:
         out.print(f"{args.directory}: no checkpoints", markup=False)
         return 0
     table = Table(title=escape(str(args.directory)))
-    for name, justify in (("step", "right"), ("size", "right"), ("time", "left"),
-                          ("verified", "left")):
+    for name, justify in (
+        ("step", "right"),
+        ("size", "right"),
+        ("time", "left"),
+        ("verified", "left"),
+    ):
         table.add_column(name, justify=justify)
     with _progress() as progress:
         task = progress.add_task("reading", total=len(steps))
@@ -340,8 +363,9 @@ def verify(args: argparse.Namespace) -> int:
         if args.step is not None:
             chosen = [s for s in steps if s.step == args.step]
             if not chosen:
-                raise CliError(f"no step {args.step} in {directory}; steps: "
-                               f"{[s.step for s in steps]}", code=2)
+                raise CliError(
+                    f"no step {args.step} in {directory}; steps: {[s.step for s in steps]}", code=2
+                )
             steps = chosen
         steps = [s for s in steps if s.kind != "torch"]
         if not steps:

@@ -119,8 +119,15 @@ def merge_options(
                 f"{name}: given as {value!r} and as {current!r} in options; give it once."
             )
         options = dataclasses.replace(options, **{name: value})
-    unsupported = ("save_decision_policy", "should_save_fn", "step_name_format", "best_fn",
-                   "step_prefix", "step_format_fixed_length", "save_on_steps")
+    unsupported = (
+        "save_decision_policy",
+        "should_save_fn",
+        "step_name_format",
+        "best_fn",
+        "step_prefix",
+        "step_format_fixed_length",
+        "save_on_steps",
+    )
     for name in unsupported:
         if getattr(options, name):  # None or empty (Orbax turns save_on_steps into a set)
             raise ValueError(

@@ -86,8 +86,9 @@ class SaveDecisionPolicy:
         Save it with your checkpoint (e.g. as an ``ocp.args.JsonSave`` item) and give it to
         :meth:`load_state_json` after a restart, so that the schedule continues.
         """
-        return self._driver.to_json(self._driver.snapshot(self._observed_prev),
-                                    cost_s=self._driver.cost_s)
+        return self._driver.to_json(
+            self._driver.snapshot(self._observed_prev), cost_s=self._driver.cost_s
+        )
 
     def load_state_json(self, data: dict[str, Any]) -> None:
         """Adopts a :meth:`state_json` document; the next step decided must follow its step.

@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cocijax",
         description="Convergence-aware checkpointing: plan schedules, inspect checkpoints.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
     p = sub.add_parser(
         "plan",
@@ -97,40 +98,100 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("losses", metavar="LOSSES.csv", help="CSV with a header and step,loss columns")
-    p.add_argument("--mtbf", type=_positive_duration, metavar="DURATION", required=True,
-                   help="mean time between failures, e.g. 4h")
-    p.add_argument("--ckpt-cost", type=_positive_duration, metavar="DURATION", required=True,
-                   help="stall of one checkpoint, e.g. 20s")
-    p.add_argument("--step-time", type=_positive_duration, metavar="DURATION", required=True,
-                   help="seconds of one step (one CSV row), e.g. 1.5s")
-    p.add_argument("--recovery", type=_duration, metavar="DURATION", default=0.0,
-                   help="restart time after a failure, e.g. 2m (default 0s)")
-    p.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="all",
-                   help="which policy to plan (default: all; 'fixed' needs --every)")
-    p.add_argument("--every", type=_positive_int, metavar="N", default=None,
-                   help="interval in steps of the 'fixed' policy")
-    p.add_argument("--time-weight", type=_unit_float, metavar="W", default=0.25,
-                   help="value of a plain second against progress, in [0, 1] (default 0.25)")
-    p.add_argument("--max-overhead", type=_positive_float, metavar="FRACTION", default=0.05,
-                   help="checkfreq's bound on the checkpoint stall fraction (default 0.05)")
-    p.add_argument("--weibull-shape", type=_positive_float, metavar="K", default=1.0,
-                   help="shape of the Weibull failure process (1 = Poisson)")
-    p.add_argument("--trials", type=_positive_int, metavar="N", default=1000,
-                   help="simulated jobs per policy (default 1000)")
+    p.add_argument(
+        "--mtbf",
+        type=_positive_duration,
+        metavar="DURATION",
+        required=True,
+        help="mean time between failures, e.g. 4h",
+    )
+    p.add_argument(
+        "--ckpt-cost",
+        type=_positive_duration,
+        metavar="DURATION",
+        required=True,
+        help="stall of one checkpoint, e.g. 20s",
+    )
+    p.add_argument(
+        "--step-time",
+        type=_positive_duration,
+        metavar="DURATION",
+        required=True,
+        help="seconds of one step (one CSV row), e.g. 1.5s",
+    )
+    p.add_argument(
+        "--recovery",
+        type=_duration,
+        metavar="DURATION",
+        default=0.0,
+        help="restart time after a failure, e.g. 2m (default 0s)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=(*POLICY_NAMES, "all"),
+        default="all",
+        help="which policy to plan (default: all; 'fixed' needs --every)",
+    )
+    p.add_argument(
+        "--every",
+        type=_positive_int,
+        metavar="N",
+        default=None,
+        help="interval in steps of the 'fixed' policy",
+    )
+    p.add_argument(
+        "--time-weight",
+        type=_unit_float,
+        metavar="W",
+        default=0.25,
+        help="value of a plain second against progress, in [0, 1] (default 0.25)",
+    )
+    p.add_argument(
+        "--max-overhead",
+        type=_positive_float,
+        metavar="FRACTION",
+        default=0.05,
+        help="checkfreq's bound on the checkpoint stall fraction (default 0.05)",
+    )
+    p.add_argument(
+        "--weibull-shape",
+        type=_positive_float,
+        metavar="K",
+        default=1.0,
+        help="shape of the Weibull failure process (1 = Poisson)",
+    )
+    p.add_argument(
+        "--trials",
+        type=_positive_int,
+        metavar="N",
+        default=1000,
+        help="simulated jobs per policy (default 1000)",
+    )
     p.add_argument("--seed", type=_nonnegative_int, metavar="N", default=0, help="simulator seed")
-    p.add_argument("--plot", metavar="PNG", default=None,
-                   help="write a figure: loss with checkpoint marks, cumulative checkpoints")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="write a figure: loss with checkpoint marks, cumulative checkpoints",
+    )
 
-    p = sub.add_parser("ls", help="list the steps of a checkpoint directory",
-                       description="Lists each step with its size, time and checksum status.")
+    p = sub.add_parser(
+        "ls",
+        help="list the steps of a checkpoint directory",
+        description="Lists each step with its size, time and checksum status.",
+    )
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--no-verify", action="store_true", help="skip reading every byte")
 
-    p = sub.add_parser("verify", help="check every checksum of a checkpoint directory",
-                       description="Exit status 1 on any problem, naming the leaf and the file.")
+    p = sub.add_parser(
+        "verify",
+        help="check every checksum of a checkpoint directory",
+        description="Exit status 1 on any problem, naming the leaf and the file.",
+    )
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--step", type=_nonnegative_int, metavar="N", default=None,
-                   help="only this step")
+    p.add_argument(
+        "--step", type=_nonnegative_int, metavar="N", default=None, help="only this step"
+    )
 
     sub.add_parser(
         "bench",

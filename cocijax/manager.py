@@ -487,7 +487,8 @@ class CheckpointManager:
                         e.add_note(f"restore: also damaged, skipped: steps {skipped}")
                     raise
                 warnings.warn(
-                    f"restore: skipping damaged step {candidate}: {e}", RuntimeWarning,
+                    f"restore: skipping damaged step {candidate}: {e}",
+                    RuntimeWarning,
                     stacklevel=2,
                 )
                 skipped.append(candidate)
@@ -578,4 +579,3 @@ class CheckpointManager:
             self._release_lock()
         except Exception:
             pass
-

@@ -162,8 +162,13 @@ def simulate(
       >>> r.wall_overhead_s
       2.0
     """
-    for name, val in (("n_steps", n_steps), ("step_time_s", step_time_s), ("mtbf_s", mtbf_s),
-                      ("weibull_shape", weibull_shape), ("trials", trials)):
+    for name, val in (
+        ("n_steps", n_steps),
+        ("step_time_s", step_time_s),
+        ("mtbf_s", mtbf_s),
+        ("weibull_shape", weibull_shape),
+        ("trials", trials),
+    ):
         if not (np.isfinite(val) and val > 0):
             raise ValueError(f"{name} must be a positive number, got {val}.")
     for name, val in (("checkpoint_cost_s", checkpoint_cost_s), ("recovery_s", recovery_s)):
@@ -188,8 +193,7 @@ def simulate(
     def draw(k: int) -> np.ndarray:
         return scale * rng.weibull(weibull_shape, size=k)
 
-    ends = np.concatenate([steps, [n_steps]]) if steps.size == 0 or steps[-1] != n_steps \
-        else steps
+    ends = np.concatenate([steps, [n_steps]]) if steps.size == 0 or steps[-1] != n_steps else steps
     starts = np.concatenate([[0], ends[:-1]])
     stalls = np.where(np.isin(ends, steps), checkpoint_cost_s, 0.0)
 

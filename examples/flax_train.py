@@ -102,23 +102,41 @@ def digest(tree) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=Path("cocijax_demo"),
-                   help="checkpoint directory (default: ./cocijax_demo)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("cocijax_demo"),
+        help="checkpoint directory (default: ./cocijax_demo)",
+    )
     p.add_argument("--steps", type=int, default=5000, help="total training steps")
-    p.add_argument("--roots", type=Path, nargs="*", default=None,
-                   help="storage roots to stripe each checkpoint over (default: inside --dir)")
-    p.add_argument("--mtbf", type=float, default=10.0,
-                   help="mean time between failures in seconds told to the policy "
-                        "(default 10: short on purpose, see the module docstring)")
+    p.add_argument(
+        "--roots",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="storage roots to stripe each checkpoint over (default: inside --dir)",
+    )
+    p.add_argument(
+        "--mtbf",
+        type=float,
+        default=10.0,
+        help="mean time between failures in seconds told to the policy "
+        "(default 10: short on purpose, see the module docstring)",
+    )
     p.add_argument("--max-to-keep", type=int, default=3)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--noise", type=float, default=0.5, help="std of the pixel noise")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kill-at", type=int, default=None, metavar="STEP",
-                   help="after STEP, wait for the saves in flight to commit, then SIGKILL "
-                        "this process (a crash with a known newest checkpoint; for tests)")
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="after STEP, wait for the saves in flight to commit, then SIGKILL "
+        "this process (a crash with a known newest checkpoint; for tests)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -137,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     # the real cost at the first save and the policy uses that from then on.
     policy = cj.policies.coci(mtbf_s=args.mtbf, total_steps=args.steps, cost_prior_s=0.05)
 
-    with cj.CheckpointManager(args.dir, roots=args.roots, policy=policy,
-                              max_to_keep=args.max_to_keep) as mngr:
+    with cj.CheckpointManager(
+        args.dir, roots=args.roots, policy=policy, max_to_keep=args.max_to_keep
+    ) as mngr:
         start = mngr.latest_step() or 0
         if start:
             state = mngr.restore(target=abstract)
@@ -149,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"already trained to step {start} (--steps {args.steps}); nothing to do")
             return 0
         saves = 0
-        columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+        columns = (
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("training", total=args.steps, completed=start, info="")
             for step in range(start + 1, args.steps + 1):
@@ -174,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                     console.file.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
                 if step % 50 == 0 or step == args.steps:
-                    progress.update(task, completed=step,
-                                    info=f"loss {float(loss):.4f}  saves {saves}")
+                    progress.update(
+                        task, completed=step, info=f"loss {float(loss):.4f}  saves {saves}"
+                    )
         mngr.wait_until_finished()
         acc = float(accuracy(state["params"], x_test, y_test))
         console.print(

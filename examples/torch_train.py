@@ -33,8 +33,10 @@ class DigitsCNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
             torch.nn.MaxPool2d(2),
         )
         self.head = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(32 * 4 * 4, 10))
@@ -55,18 +57,32 @@ def load_data(seed: int = 0):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default="ckpt/torch_digits",
-                        help="checkpoint directory (default: ckpt/torch_digits)")
+    parser.add_argument(
+        "--dir",
+        default="ckpt/torch_digits",
+        help="checkpoint directory (default: ckpt/torch_digits)",
+    )
     parser.add_argument("--steps", type=int, default=1000, help="training steps")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--mtbf", type=parse_duration, default="2m",
-                        help="assumed mean time between failures (default 2m)")
-    parser.add_argument("--policy", default="coci",
-                        choices=["coci", "coci_paper", "young", "daly", "checkfreq", "fixed"])
+    parser.add_argument(
+        "--mtbf",
+        type=parse_duration,
+        default="2m",
+        help="assumed mean time between failures (default 2m)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="coci",
+        choices=["coci", "coci_paper", "young", "daly", "checkfreq", "fixed"],
+    )
     parser.add_argument("--every", type=int, default=100, help="interval of --policy fixed")
     parser.add_argument("--max-to-keep", type=int, default=3)
-    parser.add_argument("--crash-at", type=int, default=None,
-                        help="exit abruptly after this step, to try the resume")
+    parser.add_argument(
+        "--crash-at",
+        type=int,
+        default=None,
+        help="exit abruptly after this step, to try the resume",
+    )
     args = parser.parse_args(argv)
     console = Console()
 
@@ -97,13 +113,17 @@ def main(argv=None) -> int:
             console.print(f"resumed from step {start} in {Path(args.dir)}")
         saves = []
         progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.3f}  saves {task.fields[saves]}"),
-            TimeElapsedColumn(), console=console,
+            TimeElapsedColumn(),
+            console=console,
         )
         with progress:
-            task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"),
-                                     saves=0)
+            task = progress.add_task(
+                "train", total=args.steps, completed=start, loss=float("nan"), saves=0
+            )
             for step in range(start + 1, args.steps + 1):
                 model.train()
                 idx = torch.randint(0, len(y_train), (args.batch,))

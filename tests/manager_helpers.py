@@ -42,7 +42,9 @@ def recording(every: int) -> cj.policies.Policy:
 
     def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
         new = Seen(
-            jnp.float32(loss), jnp.float32(step_time_s), jnp.float32(checkpoint_cost_s),
+            jnp.float32(loss),
+            jnp.float32(step_time_s),
+            jnp.float32(checkpoint_cost_s),
             state.calls + 1,
         )
         return step % every == 0, new

@@ -23,8 +23,18 @@ PLAN_ARGS = ["--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "90s", "--reco
 # ------------------------------------------------------------------------------ units
 @pytest.mark.parametrize(
     "text, seconds",
-    [("4h", 14400.0), ("20s", 20.0), ("2m", 120.0), ("1.5s", 1.5), ("90min", 5400.0),
-     ("1h30m", 5400.0), ("250ms", 0.25), ("3", 3.0), ("1d2h", 93600.0), ("2 hours", 7200.0)],
+    [
+        ("4h", 14400.0),
+        ("20s", 20.0),
+        ("2m", 120.0),
+        ("1.5s", 1.5),
+        ("90min", 5400.0),
+        ("1h30m", 5400.0),
+        ("250ms", 0.25),
+        ("3", 3.0),
+        ("1d2h", 93600.0),
+        ("2 hours", 7200.0),
+    ],
 )
 def test_parse_duration_examples(text, seconds):
     assert _units.parse_duration(text) == seconds
@@ -57,8 +67,16 @@ def test_format_duration_round_trips(seconds):
 
 
 @pytest.mark.parametrize(
-    "text, n", [("4096", 4096), ("1.5KiB", 1536), ("512MiB", 512 * 2**20), ("2G", 2 * 2**30),
-                ("10MB", 10**7), ("1 GiB", 2**30), ("0B", 0)],
+    "text, n",
+    [
+        ("4096", 4096),
+        ("1.5KiB", 1536),
+        ("512MiB", 512 * 2**20),
+        ("2G", 2 * 2**30),
+        ("10MB", 10**7),
+        ("1 GiB", 2**30),
+        ("0B", 0),
+    ],
 )
 def test_parse_size_examples(text, n):
     assert _units.parse_size(text) == n
@@ -96,11 +114,23 @@ def test_plan_table_matches_plan_and_simulator(tmp_path, capsys):
 
     losses = np.loadtxt(CURVE, delimiter=",", skiprows=1)[:, 1]
     n = len(losses)
-    saves = cj.plan(losses, cj.policies.young(mtbf_s=14400.0, cost_prior_s=20.0),
-                    step_time_s=90.0, checkpoint_cost_s=20.0)
-    res = cj.sim.simulate(saves, n_steps=n, step_time_s=90.0, checkpoint_cost_s=20.0,
-                          recovery_s=120.0, mtbf_s=14400.0,
-                          weights=cj.sim.progress_weights(losses, 0.25), trials=200, seed=0)
+    saves = cj.plan(
+        losses,
+        cj.policies.young(mtbf_s=14400.0, cost_prior_s=20.0),
+        step_time_s=90.0,
+        checkpoint_cost_s=20.0,
+    )
+    res = cj.sim.simulate(
+        saves,
+        n_steps=n,
+        step_time_s=90.0,
+        checkpoint_cost_s=20.0,
+        recovery_s=120.0,
+        mtbf_s=14400.0,
+        weights=cj.sim.progress_weights(losses, 0.25),
+        trials=200,
+        seed=0,
+    )
     count, interval, wall, weighted = rows["young"]
     assert int(count) == len(saves)
     assert interval == _units.format_duration(n * 90.0 / len(saves))
@@ -126,10 +156,14 @@ def test_plan_reads_missing_and_nan_cells(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", str(CURVE), "--mtbf", "4y", "--ckpt-cost", "20s", "--step-time", "1s"],
-         "--mtbf: unknown duration unit 'y'"),
-        (["plan", str(CURVE), "--mtbf", "4h", "--ckpt-cost", "0s", "--step-time", "1s"],
-         "--ckpt-cost: must be a positive duration"),
+        (
+            ["plan", str(CURVE), "--mtbf", "4y", "--ckpt-cost", "20s", "--step-time", "1s"],
+            "--mtbf: unknown duration unit 'y'",
+        ),
+        (
+            ["plan", str(CURVE), "--mtbf", "4h", "--ckpt-cost", "0s", "--step-time", "1s"],
+            "--ckpt-cost: must be a positive duration",
+        ),
         (["plan", str(CURVE), "--mtbf", "4h"], "required: --ckpt-cost, --step-time"),
         (["plan", "missing.csv", *PLAN_ARGS], "no such file: missing.csv"),
         (["plan", str(CURVE), *PLAN_ARGS, "--policy", "fixed"], "--policy fixed needs --every"),
@@ -152,8 +186,11 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
 
 @pytest.mark.parametrize(
     "content, message",
-    [("step,val\n1,2\n", "'loss' column"), ("step,loss\n1,0.5\n2,abc\n", ":3: not a number"),
-     ("step,loss\n", "no data rows")],
+    [
+        ("step,val\n1,2\n", "'loss' column"),
+        ("step,loss\n1,0.5\n2,abc\n", ":3: not a number"),
+        ("step,loss\n", "no data rows"),
+    ],
 )
 def test_bad_csv_exit_2_naming_the_file(tmp_path, content, message, capsys):
     csv = tmp_path / "bad.csv"
@@ -175,8 +212,10 @@ def checkpoints(tmp_path):
     """Two real steps written by cj.CheckpointManager."""
     directory = tmp_path / "ckpt"
     tree = {
-        "params": {"w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64),
-                   "b": np.ones(64, np.float32)},
+        "params": {
+            "w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64),
+            "b": np.ones(64, np.float32),
+        },
         "count": np.int32(3),
     }
     with cj.CheckpointManager(directory, policy=cj.policies.fixed(1)) as mngr:
@@ -192,8 +231,10 @@ def _corrupt_leaf(item_dir: Path, leaf_name: str) -> tuple[str, Path]:
     index = next(i for i, leaf in enumerate(manifest.leaves) if f"'{leaf_name}'" in leaf.path)
     piece = next(p for p in manifest.pieces if p.leaf == index)
     array_dir = manifest.piece_path(piece, item_dir)
-    data = max((f for f in array_dir.rglob("*") if f.is_file() and f.name != "zarr.json"),
-               key=lambda f: f.stat().st_size)
+    data = max(
+        (f for f in array_dir.rglob("*") if f.is_file() and f.name != "zarr.json"),
+        key=lambda f: f.stat().st_size,
+    )
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
@@ -203,8 +244,11 @@ def _corrupt_leaf(item_dir: Path, leaf_name: str) -> tuple[str, Path]:
 def test_ls_and_verify_intact(checkpoints, capsys):
     assert main(["ls", str(checkpoints)]) == 0
     out = capsys.readouterr().out
-    rows = {int(line.split("│")[1]): line for line in out.splitlines()
-            if re.match(r"^│\s*\d+\s*│", line)}
+    rows = {
+        int(line.split("│")[1]): line
+        for line in out.splitlines()
+        if re.match(r"^│\s*\d+\s*│", line)
+    }
     assert sorted(rows) == [1, 2]
     assert all("ok" in line and re.search(r"\d+(\.\d+)? (B|KiB)", line) for line in rows.values())
     assert main(["verify", str(checkpoints)]) == 0
@@ -276,12 +320,16 @@ def test_console_script(tmp_path):
     exe = Path(sys.executable).with_name("cocijax")
     exe = str(exe) if exe.exists() else shutil.which("cocijax")
     assert exe, "the cocijax console script is not installed (pip install -e .)"
-    ok = subprocess.run([exe, "plan", str(CURVE), *PLAN_ARGS, "--policy", "young",
-                         "--trials", "20"], capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [exe, "plan", str(CURVE), *PLAN_ARGS, "--policy", "young", "--trials", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert int(_table_rows(ok.stdout)["young"][0]) > 0
-    bad = subprocess.run([exe, "plan", str(CURVE), "--mtbf", "soon"], capture_output=True,
-                         text=True, timeout=300)
+    bad = subprocess.run(
+        [exe, "plan", str(CURVE), "--mtbf", "soon"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
-

@@ -17,8 +17,17 @@ pytest.importorskip("sklearn")
 
 
 def run(ckpt: Path, *extra: str, expect: int = 0) -> str:
-    cmd = [sys.executable, str(EXAMPLE), "--dir", str(ckpt), "--steps", "45", "--hidden", "32",
-           *extra]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--dir",
+        str(ckpt),
+        "--steps",
+        "45",
+        "--hidden",
+        "32",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == expect, out.stdout + out.stderr
     return out.stdout

@@ -118,8 +118,9 @@ def run_steps(mngr, clock, first, last, losses):
     decisions = {}
     for step in range(first, last + 1):
         clock.advance(1.0)
-        decisions[step] = mngr.save(step, {"x": jnp.full((3,), float(step))},
-                                    loss=jnp.float32(losses[step - 1]))
+        decisions[step] = mngr.save(
+            step, {"x": jnp.full((3,), float(step))}, loss=jnp.float32(losses[step - 1])
+        )
     return decisions
 
 
@@ -263,11 +264,16 @@ def test_missing_directory_is_created_and_options_are_checked(tmp_path):
     with cj.CheckpointManager(target, policy=cj.policies.fixed(1)) as mngr:
         assert target.is_dir() and mngr.all_steps() == []
     with pytest.raises(ValueError, match="max_to_keep"):
-        cj.CheckpointManager(tmp_path / "x", max_to_keep=2,
-                             options=ocp.CheckpointManagerOptions(max_to_keep=3))
+        cj.CheckpointManager(
+            tmp_path / "x", max_to_keep=2, options=ocp.CheckpointManagerOptions(max_to_keep=3)
+        )
     with pytest.raises(ValueError, match="save_decision_policy"):
-        cj.CheckpointManager(tmp_path / "y", options=ocp.CheckpointManagerOptions(
-            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(2)))
+        cj.CheckpointManager(
+            tmp_path / "y",
+            options=ocp.CheckpointManagerOptions(
+                save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(2)
+            ),
+        )
     with pytest.raises(TypeError, match="policy"):
         cj.CheckpointManager(tmp_path / "z", policy="coci")
 
@@ -295,16 +301,20 @@ def test_read_only_manager_lists_and_restores_beside_a_writer(tmp_path):
             reader.save(2, state, loss=1.0)
         reader.close()
     # A reader needs no storage roots and creates none (they may be read-only mounts).
-    reader = cj.CheckpointManager(tmp_path / "ck", roots=[tmp_path / "absent"],
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
+    reader = cj.CheckpointManager(
+        tmp_path / "ck",
+        roots=[tmp_path / "absent"],
+        options=ocp.CheckpointManagerOptions(read_only=True),
+    )
     reader.close()
     assert not (tmp_path / "absent").exists()
 
 
 def test_synchronous_saves_commit_and_restore(tmp_path):
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    with cj.CheckpointManager(tmp_path / "ck", roots=[tmp_path / "r0"], options=options,
-                              policy=cj.policies.fixed(1)) as mngr:
+    with cj.CheckpointManager(
+        tmp_path / "ck", roots=[tmp_path / "r0"], options=options, policy=cj.policies.fixed(1)
+    ) as mngr:
         for step in (1, 2):
             assert mngr.save(step, small_state(step), loss=1.0)
             assert mngr.all_steps()[-1] == step  # committed when save returns
@@ -337,8 +347,11 @@ def test_restore_falls_back_to_the_newest_intact_step(tmp_path):
         for step in (1, 2):
             mngr.save(step, small_state(step), loss=1.0)
         mngr.wait_until_finished()
-        data = sorted(p for p in mngr.item_directory(2).rglob("*") if p.is_file()
-                      and p.name != storage.MANIFEST_NAME)
+        data = sorted(
+            p
+            for p in mngr.item_directory(2).rglob("*")
+            if p.is_file() and p.name != storage.MANIFEST_NAME
+        )
         data[0].write_bytes(b"not the bytes that were saved")
         target = abstract(small_state(1))
         with pytest.raises(storage.CorruptCheckpointError):
@@ -351,16 +364,18 @@ def test_restore_falls_back_to_the_newest_intact_step(tmp_path):
 
 def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
     roots = [tmp_path / "r0"]
-    with cj.CheckpointManager(tmp_path / "ck", roots=roots, policy=cj.policies.fixed(1),
-                              max_to_keep=1, keep_period=3) as mngr:
+    with cj.CheckpointManager(
+        tmp_path / "ck", roots=roots, policy=cj.policies.fixed(1), max_to_keep=1, keep_period=3
+    ) as mngr:
         for step in range(1, 8):
             mngr.save(step, small_state(step), loss=1.0)
         mngr.wait_until_finished()
         assert mngr.all_steps() == [3, 6, 7]
         assert stripes(roots[0]) == referenced(mngr)
         for step in (3, 6, 7):
-            assert_trees_bit_equal(mngr.restore(step, target=abstract(small_state(step))),
-                                   small_state(step))
+            assert_trees_bit_equal(
+                mngr.restore(step, target=abstract(small_state(step))), small_state(step)
+            )
 
 
 def test_a_save_in_flight_is_not_listed_until_committed(tmp_path):

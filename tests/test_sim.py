@@ -17,8 +17,9 @@ def test_periodic_schedule_matches_the_poisson_closed_form(every):
     steps = np.arange(every, KW["n_steps"] + 1, every)
     res = sim.simulate(steps, trials=3000, seed=7, **KW)
     exact = sim.expected_overhead_periodic(every, **KW)
-    assert res.wall_overhead_s == pytest.approx(exact, rel=max(0.03, 4 * res.wall_overhead_se
-                                                                / exact))
+    assert res.wall_overhead_s == pytest.approx(
+        exact, rel=max(0.03, 4 * res.wall_overhead_se / exact)
+    )
     # weights=None: every recomputed second counts 1, so both currencies agree.
     assert res.weighted_overhead_s == pytest.approx(res.wall_overhead_s)
     assert res.wall_overhead_s == pytest.approx(res.stall_s + res.recompute_s + res.recovery_s)
@@ -26,14 +27,22 @@ def test_periodic_schedule_matches_the_poisson_closed_form(every):
 
 def test_closed_form_by_hand():
     # One segment of D = 100 s, no stall, no recovery, MTBF 1000 s: M (e^{D/M} - 1) - D.
-    got = sim.expected_overhead_periodic(100, n_steps=100, step_time_s=1.0, checkpoint_cost_s=0.0,
-                                         recovery_s=0.0, mtbf_s=1000.0)
+    got = sim.expected_overhead_periodic(
+        100, n_steps=100, step_time_s=1.0, checkpoint_cost_s=0.0, recovery_s=0.0, mtbf_s=1000.0
+    )
     assert got == pytest.approx(1000.0 * math.expm1(0.1) - 100.0)
 
 
 def test_without_failures_the_overhead_is_the_stalls():
-    res = sim.simulate([10, 20, 30, 30, 0, 999], n_steps=50, step_time_s=1.0,
-                       checkpoint_cost_s=3.0, recovery_s=5.0, mtbf_s=1e12, trials=20)
+    res = sim.simulate(
+        [10, 20, 30, 30, 0, 999],
+        n_steps=50,
+        step_time_s=1.0,
+        checkpoint_cost_s=3.0,
+        recovery_s=5.0,
+        mtbf_s=1e12,
+        trials=20,
+    )
     assert res.n_saves == 3  # duplicates and out-of-range steps dropped
     assert res.wall_overhead_s == pytest.approx(9.0)
     assert res.weighted_overhead_s == pytest.approx(9.0)
@@ -48,7 +57,8 @@ def test_weights_scale_only_recomputation():
     assert ones == base  # weights=None means all ones; same seed, same draws
     assert twice.wall_overhead_s == base.wall_overhead_s
     assert twice.weighted_overhead_s == pytest.approx(
-        base.stall_s + base.recovery_s + 2.0 * base.recompute_s)
+        base.stall_s + base.recovery_s + 2.0 * base.recompute_s
+    )
     # Weights on the first half only: recomputation there costs double.
     w = np.where(np.arange(5000) < 2500, 3.0, 0.0)
     half = sim.simulate(steps, trials=500, seed=3, weights=w, **KW)
@@ -58,12 +68,30 @@ def test_weights_scale_only_recomputation():
 @pytest.mark.parametrize("shape", [0.7, 1.0, 1.5])
 def test_failure_count_follows_the_renewal_rate(shape):
     # Long-run renewal rate is 1 / MTBF whatever the shape: failures ~ total wall time / MTBF.
-    res = sim.simulate([], n_steps=1, step_time_s=1.0, checkpoint_cost_s=0.0, recovery_s=200.0,
-                       mtbf_s=100.0, weibull_shape=shape, trials=4000, seed=1)
+    res = sim.simulate(
+        [],
+        n_steps=1,
+        step_time_s=1.0,
+        checkpoint_cost_s=0.0,
+        recovery_s=200.0,
+        mtbf_s=100.0,
+        weibull_shape=shape,
+        trials=4000,
+        seed=1,
+    )
     assert res.failures > 0
     steps = np.arange(50, 20001, 50)
-    res = sim.simulate(steps, n_steps=20000, step_time_s=1.0, checkpoint_cost_s=5.0,
-                       recovery_s=10.0, mtbf_s=2000.0, weibull_shape=shape, trials=400, seed=2)
+    res = sim.simulate(
+        steps,
+        n_steps=20000,
+        step_time_s=1.0,
+        checkpoint_cost_s=5.0,
+        recovery_s=10.0,
+        mtbf_s=2000.0,
+        weibull_shape=shape,
+        trials=400,
+        seed=2,
+    )
     wall = 20000.0 + res.wall_overhead_s
     assert res.failures == pytest.approx(wall / 2000.0, rel=0.08)
 
@@ -76,10 +104,18 @@ def test_common_random_numbers():
     assert a != c
 
 
-@pytest.mark.parametrize(("arg", "value"), [("n_steps", 0), ("step_time_s", -1.0),
-                                            ("mtbf_s", 0.0), ("checkpoint_cost_s", -1.0),
-                                            ("recovery_s", math.nan), ("weibull_shape", 0.0),
-                                            ("trials", 0)])
+@pytest.mark.parametrize(
+    ("arg", "value"),
+    [
+        ("n_steps", 0),
+        ("step_time_s", -1.0),
+        ("mtbf_s", 0.0),
+        ("checkpoint_cost_s", -1.0),
+        ("recovery_s", math.nan),
+        ("weibull_shape", 0.0),
+        ("trials", 0),
+    ],
+)
 def test_bad_arguments_name_the_parameter(arg, value):
     kw = dict(KW, trials=10)
     kw[arg] = value
@@ -95,8 +131,16 @@ def test_weights_must_match_the_job():
 @settings(max_examples=30, deadline=None)
 @given(steps=st.lists(st.integers(-5, 600), max_size=40), seed=st.integers(0, 10))
 def test_overheads_are_bounded_below_by_the_stalls(steps, seed):
-    res = sim.simulate(steps, n_steps=500, step_time_s=2.0, checkpoint_cost_s=4.0,
-                       recovery_s=30.0, mtbf_s=800.0, trials=50, seed=seed)
+    res = sim.simulate(
+        steps,
+        n_steps=500,
+        step_time_s=2.0,
+        checkpoint_cost_s=4.0,
+        recovery_s=30.0,
+        mtbf_s=800.0,
+        trials=50,
+        seed=seed,
+    )
     assert res.stall_s >= 4.0 * res.n_saves - 1e-9
     assert res.wall_overhead_s >= res.stall_s
     # Each failure costs at most one full recovery (a failure inside a recovery cuts it short).

@@ -127,8 +127,11 @@ def _replay(policy, step_times, losses, cost_s, n):
     state, cost, saves = policy.init(), math.nan, []
     for s in range(1, n + 1):
         save, state = update(
-            state, step=np.int32(s), loss=np.float32(losses[s - 1]),
-            step_time_s=np.float32(step_times[s - 1]), checkpoint_cost_s=np.float32(cost),
+            state,
+            step=np.int32(s),
+            loss=np.float32(losses[s - 1]),
+            step_time_s=np.float32(step_times[s - 1]),
+            checkpoint_cost_s=np.float32(cost),
         )
         saves.append(bool(save))
         if save:
@@ -144,8 +147,11 @@ def test_policy_decisions_match_jax_policy(tmp_path, name):
     losses = 2.0 * np.exp(-np.arange(n) / 20.0) + rng.normal(0, 0.01, n)
     losses[[5, 17, 40]] = np.nan  # NaN losses are passed on and ignored, never a crash
     losses[23] = np.inf
-    policy = (cj.policies.young(mtbf_s=600.0) if name == "young"
-              else cj.policies.coci(mtbf_s=600.0, total_steps=n))
+    policy = (
+        cj.policies.young(mtbf_s=600.0)
+        if name == "young"
+        else cj.policies.coci(mtbf_s=600.0, total_steps=n)
+    )
     expected, expected_state = _replay(policy, step_times, losses, cost_s, n)
     assert 1 < sum(expected) < n  # the case exercises both decisions
 
@@ -214,8 +220,12 @@ def test_a_second_writer_on_a_directory_gets_a_clear_error(tmp_path):
 def test_nan_and_inf_losses_still_save(tmp_path):
     model, _ = _make(0)
     with cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(2)) as mngr:
-        got = [mngr.save(s, {"model": model}, loss=loss) for s, loss in
-               enumerate([math.nan, torch.tensor(float("nan")), math.inf, -math.inf], start=1)]
+        got = [
+            mngr.save(s, {"model": model}, loss=loss)
+            for s, loss in enumerate(
+                [math.nan, torch.tensor(float("nan")), math.inf, -math.inf], start=1
+            )
+        ]
         with pytest.raises(ValueError, match=r"one element, got shape \(2,\)"):
             mngr.save(5, {"model": model}, loss=torch.ones(2))
         mngr.wait_until_finished()
@@ -234,8 +244,10 @@ def test_step_not_after_latest_is_an_error(tmp_path):
             mngr.save(0, {"model": model}, loss=1.0)
         with pytest.raises(ValueError, match="reserved"):
             mngr.save(6, {"cocijax": 1}, loss=1.0)
-    with cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr, \
-            pytest.raises(ValueError, match=r"latest saved step 5.*step=3"):
+    with (
+        cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr,
+        pytest.raises(ValueError, match=r"latest saved step 5.*step=3"),
+    ):
         mngr.save(3, {"model": model}, loss=1.0)
 
 
@@ -243,8 +255,10 @@ def test_optimizer_params_outside_state_modules_is_an_error(tmp_path):
     model, _ = _make(0)
     stray = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
-    with cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr, \
-            pytest.raises(ValueError, match=r"optimizer 'opt'.*shape \(3,\)"):
+    with (
+        cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr,
+        pytest.raises(ValueError, match=r"optimizer 'opt'.*shape \(3,\)"),
+    ):
         mngr.save(1, {"model": model, "opt": opt}, loss=1.0)
 
 
@@ -288,10 +302,21 @@ def test_import_without_torch_names_the_extra():
 def test_example_resumes_after_a_crash(tmp_path):
     script = Path(__file__).parent.parent / "examples" / "torch_train.py"
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, str(script), "--dir", str(ckpt), "--steps", "60", "--policy", "fixed",
-           "--every", "10"]
-    crashed = subprocess.run([*cmd, "--crash-at", "35"], capture_output=True, text=True,
-                             timeout=300)
+    cmd = [
+        sys.executable,
+        str(script),
+        "--dir",
+        str(ckpt),
+        "--steps",
+        "60",
+        "--policy",
+        "fixed",
+        "--every",
+        "10",
+    ]
+    crashed = subprocess.run(
+        [*cmd, "--crash-at", "35"], capture_output=True, text=True, timeout=300
+    )
     assert crashed.returncode == 17, crashed.stderr
     committed = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     assert committed and set(committed) <= {10, 20, 30}

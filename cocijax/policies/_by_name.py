@@ -37,8 +37,7 @@ def by_name(name: str, **kwargs) -> Policy:
     """
     key = str(name).strip().lower().replace("-", "_")
     if key not in CONSTRUCTORS:
-        raise ValueError(f"Unknown policy name {name!r}; expected one of "
-                         f"{sorted(CONSTRUCTORS)}.")
+        raise ValueError(f"Unknown policy name {name!r}; expected one of {sorted(CONSTRUCTORS)}.")
     try:
         return CONSTRUCTORS[key](**kwargs)
     except TypeError as e:

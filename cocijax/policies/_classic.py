@@ -72,8 +72,12 @@ def fixed(every: int) -> Policy:
       >>> cj.plan(np.ones(10), cj.policies.fixed(4), step_time_s=1.0, checkpoint_cost_s=1.0)
       array([4, 8])
     """
-    if isinstance(every, bool) or not isinstance(every, int | float) or every != int(every) \
-            or every < 1:
+    if (
+        isinstance(every, bool)
+        or not isinstance(every, int | float)
+        or every != int(every)
+        or every < 1
+    ):
         raise ValueError(f"every must be a positive integer, got {every!r}.")
     every = int(every)
 
@@ -129,8 +133,7 @@ def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy
     return _interval_policy(daly_interval, mtbf_s, cost_prior_s)
 
 
-def checkfreq(max_overhead: float = 0.05, *,
-              cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
     """CheckFreq's rule: the most frequent interval whose stall stays under ``max_overhead``.
 
     CheckFreq profiles the stall ``C`` of one save and the step time ``t`` and then raises the

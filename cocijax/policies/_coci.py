@@ -121,14 +121,17 @@ def coci(
     tw = _base.check_unit("time_weight", time_weight)
     if total_steps is not None:
         if isinstance(total_steps, bool) or int(total_steps) != total_steps or total_steps < 1:
-            raise ValueError(f"total_steps must be a positive integer or None, got "
-                             f"{total_steps!r}.")
+            raise ValueError(
+                f"total_steps must be a positive integer or None, got {total_steps!r}."
+            )
         total_steps = int(total_steps)
     wmin = _base.check_positive("min_weight", min_weight)
     wmax = _base.check_positive("max_weight", max_weight)
     if wmin > 1.0 or wmax < 1.0:
-        raise ValueError(f"min_weight must be <= 1 <= max_weight, got min_weight={min_weight!r}, "
-                         f"max_weight={max_weight!r}.")
+        raise ValueError(
+            f"min_weight must be <= 1 <= max_weight, got min_weight={min_weight!r}, "
+            f"max_weight={max_weight!r}."
+        )
     hf = _base.check_positive("horizon_factor", horizon_factor)
     if hf < 1.0:
         raise ValueError(f"horizon_factor must be >= 1, got {horizon_factor!r}.")
@@ -142,9 +145,18 @@ def coci(
     zero = jnp.zeros((), jnp.float32)
 
     def init() -> CociState:
-        return CociState(_base.clock_init(), _convergence.history_init(),
-                         _convergence.fit_init(), nan, nan, nan, zero, zero, zero,
-                         jnp.ones((), jnp.float32))
+        return CociState(
+            _base.clock_init(),
+            _convergence.history_init(),
+            _convergence.fit_init(),
+            nan,
+            nan,
+            nan,
+            zero,
+            zero,
+            zero,
+            jnp.ones((), jnp.float32),
+        )
 
     def update(state: CociState, *, step, loss, step_time_s, checkpoint_cost_s):
         clock, is_new, dt = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
@@ -159,7 +171,9 @@ def coci(
             drop = state.start - state.fit.c
             n_total = jnp.clip(
                 _convergence.converged_at(state.fit, drop, CONVERGED_FRACTION),
-                hf * k, MAX_HORIZON * k)
+                hf * k,
+                MAX_HORIZON * k,
+            )
             n_total = jnp.where(jnp.isfinite(n_total), n_total, hf * k)
             n_total = jnp.maximum(n_total, k + 1.0)
         span = jnp.maximum(3.0, n_total / 200.0) * SPAN_FACTOR
@@ -175,14 +189,18 @@ def coci(
         # first window of the hindsight weights' centred average.
         count = history.count.astype(jnp.float32)
         gain = jnp.maximum(alpha, 1.0 / jnp.maximum(count, 1.0))
-        level = jnp.where(valid, jnp.where(jnp.isnan(state.level), y,
-                                           state.level + gain * (y - state.level)), state.level)
-        envelope = jnp.where(jnp.isnan(state.envelope), level,
-                             jnp.minimum(state.envelope, level))
+        level = jnp.where(
+            valid,
+            jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
+            state.level,
+        )
+        envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
         in_first = valid & (count <= span + 1.0)
-        start = jnp.where(in_first, jnp.where(jnp.isnan(state.start), y,
-                                              state.start + (y - state.start) / count),
-                          state.start)
+        start = jnp.where(
+            in_first,
+            jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / count),
+            state.start,
+        )
         drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
         rate = jnp.where(valid, state.rate + alpha * (drop / dt - state.rate), state.rate)
 
@@ -192,14 +210,18 @@ def coci(
         warm = 1.0 - jnp.power(1.0 - alpha, history.count.astype(jnp.float32))
         rate_hat = rate / jnp.maximum(warm, 1e-6)
         fit = _convergence.maybe_fit(refit, history, k, state.fit)
-        ahead = jnp.where(fit.ok, _convergence.predict(fit, k)
-                          - _convergence.predict(fit, jnp.maximum(n_total, k)), 0.0)
+        ahead = jnp.where(
+            fit.ok,
+            _convergence.predict(fit, k) - _convergence.predict(fit, jnp.maximum(n_total, k)),
+            0.0,
+        )
         total_drop = (start - envelope) + jnp.maximum(ahead, 0.0)
         mean_rate = total_drop / (jnp.maximum(n_total, k) * tau)
         # Before a fit exists the forecast is 0: the job-mean rate is underestimated and v errs
         # towards protecting the (usually steep) start.
-        v = jnp.where(ready & (mean_rate > 0),
-                      rate_hat / jnp.where(mean_rate > 0, mean_rate, 1.0), 1.0)
+        v = jnp.where(
+            ready & (mean_rate > 0), rate_hat / jnp.where(mean_rate > 0, mean_rate, 1.0), 1.0
+        )
         w = jnp.clip(tw + (1.0 - tw) * v, wmin, wmax)
         w = jnp.where(jnp.isfinite(w), w, 1.0)
 
@@ -212,9 +234,16 @@ def coci(
             save = save & (-jnp.expm1(-lam * left) * exposure >= cost)
         clock = _base.clock_saved(clock, save)
         return save, CociState(
-            clock=clock, history=history, fit=fit, level=level, envelope=envelope, start=start,
-            rate=rate, integral=jnp.where(save, 0.0, integral),
-            exposure=jnp.where(save, 0.0, exposure), weight=w,
+            clock=clock,
+            history=history,
+            fit=fit,
+            level=level,
+            envelope=envelope,
+            start=start,
+            rate=rate,
+            integral=jnp.where(save, 0.0, integral),
+            exposure=jnp.where(save, 0.0, exposure),
+            weight=w,
         )
 
     return Policy(init, update)

@@ -75,15 +75,23 @@ class Fit(NamedTuple):
 
 def history_init() -> History:
     z = jnp.zeros((NUM_BINS,), jnp.float32)
-    return History(z, z, z, jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32),
-                   jnp.asarray(jnp.nan, jnp.float32), jnp.zeros((), jnp.float32),
-                   jnp.zeros((), jnp.int32))
+    return History(
+        z,
+        z,
+        z,
+        jnp.zeros((), jnp.int32),
+        jnp.ones((), jnp.int32),
+        jnp.asarray(jnp.nan, jnp.float32),
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def fit_init() -> Fit:
     f = jnp.zeros((), jnp.float32)
-    return Fit(jnp.zeros((), bool), jnp.zeros((), jnp.int32), f, f, f, f,
-               jnp.ones((), jnp.float32), f)
+    return Fit(
+        jnp.zeros((), bool), jnp.zeros((), jnp.int32), f, f, f, f, jnp.ones((), jnp.float32), f
+    )
 
 
 def clip_spike(h: History, loss) -> jnp.ndarray:
@@ -96,8 +104,9 @@ def clip_spike(h: History, loss) -> jnp.ndarray:
 def history_add(h: History, x, loss, valid) -> History:
     """Adds point ``(x, loss)`` when ``valid`` (a traced bool); ``loss`` must be finite then."""
     # Module-level branches (not closures) so that eager calls hit JAX's compile cache.
-    return jax.lax.cond(valid, _add, _keep, h, jnp.asarray(x, jnp.float32),
-                        jnp.asarray(loss, jnp.float32))
+    return jax.lax.cond(
+        valid, _add, _keep, h, jnp.asarray(x, jnp.float32), jnp.asarray(loss, jnp.float32)
+    )
 
 
 def _keep(h: History, x, loss) -> History:
@@ -124,10 +133,14 @@ def _add(h: History, x, loss) -> History:
     pad = jnp.zeros((NUM_BINS // 2,), jnp.float32)
     merge = lambda a, b: jnp.where(full, jnp.concatenate([a, pad]), b)
     return History(
-        x=merge(x2, xs), y=merge(y2, ys), n=merge(n2, ns),
+        x=merge(x2, xs),
+        y=merge(y2, ys),
+        n=merge(n2, ns),
         closed=jnp.where(full, NUM_BINS // 2, closed),
         width=jnp.where(full, h.width * 2, h.width),
-        level=level, scale=scale, count=h.count + 1,
+        level=level,
+        scale=scale,
+        count=h.count + 1,
     )
 
 
@@ -207,8 +220,9 @@ def fit_history(h: History, k_ref) -> Fit:
 
 def history_of(x, y) -> History:
     """The history after adding the points ``(x, y)`` in order (NaN/inf ``y`` skipped)."""
-    return _history_of(jnp.asarray(np.asarray(x, np.float32)),
-                       jnp.asarray(np.asarray(y, np.float32)))
+    return _history_of(
+        jnp.asarray(np.asarray(x, np.float32)), jnp.asarray(np.asarray(y, np.float32))
+    )
 
 
 @jax.jit

@@ -130,8 +130,16 @@ def coci_paper(
     f0 = jnp.zeros((), jnp.float32)
 
     def init() -> PaperState:
-        return PaperState(_base.clock_init(), _convergence.history_init(), f0, f0,
-                          jnp.zeros((), bool), f0, f0, jnp.zeros((), jnp.int32))
+        return PaperState(
+            _base.clock_init(),
+            _convergence.history_init(),
+            f0,
+            f0,
+            jnp.zeros((), bool),
+            f0,
+            f0,
+            jnp.zeros((), jnp.int32),
+        )
 
     def plan(theta1, theta2, t_now, ts):
         now = jnp.exp(theta1 * t_now + theta2)
@@ -147,16 +155,16 @@ def coci_paper(
         loss = jnp.asarray(loss, jnp.float32)
         valid = jnp.isfinite(loss) & is_new
         count = state.count + is_new.astype(jnp.int32)
-        history = _convergence.history_add(state.history, t_now, jnp.where(valid, loss, 0.0),
-                                           valid)
+        history = _convergence.history_add(state.history, t_now, jnp.where(valid, loss, 0.0), valid)
 
         profile = is_new & (count == profile_steps)
         refit = is_new & (count > profile_steps) & (count % fit_interval == 0)
 
         do = profile | refit
         th1, th2 = jax.lax.cond(do, fit_exp, _no_fit, history)
-        changed = do & (profile | (jnp.abs(th1 - state.theta1) > thr)
-                        | (jnp.abs(th2 - state.theta2) > thr))
+        changed = do & (
+            profile | (jnp.abs(th1 - state.theta1) > thr) | (jnp.abs(th2 - state.theta2) > thr)
+        )
         ok, level, pc = plan(th1, th2, t_now, ts)
         theta1 = jnp.where(changed, th1, state.theta1)
         theta2 = jnp.where(changed, th2, state.theta2)
@@ -164,8 +172,9 @@ def coci_paper(
         next_level = jnp.where(changed, level, state.next_level)
         pc = jnp.where(changed, pc, state.decrement)
         # The artifact clears its online points when the parameters change.
-        history = jax.tree.map(lambda a, b: jnp.where(changed, a, b),
-                               _convergence.history_init(), history)
+        history = jax.tree.map(
+            lambda a, b: jnp.where(changed, a, b), _convergence.history_init(), history
+        )
 
         fitted = jnp.exp(theta1 * t_now + theta2)
         save_plan = planned & (next_level >= 0) & (fitted <= next_level)
@@ -174,7 +183,8 @@ def coci_paper(
         save_young = fallback & (clock.since_save >= jnp.sqrt(2.0 * cost * m) - 0.5 * tau)
         save = save_plan | save_young | (is_new & (count == PROFILE_SAVE_STEP))
         next_level = jnp.where(save_plan, next_level - pc, next_level)
-        return save, PaperState(_base.clock_saved(clock, save), history, theta1, theta2, planned,
-                                next_level, pc, count)
+        return save, PaperState(
+            _base.clock_saved(clock, save), history, theta1, theta2, planned, next_level, pc, count
+        )
 
     return Policy(init, update)

@@ -52,8 +52,12 @@ def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarra
             raise ValueError(f"{name} must be a scalar or have shape ({n},), got {a.shape}.")
         return a
 
-    xs = (np.arange(1, n + 1, dtype=np.int32), y, per_step("step_time_s", step_time_s),
-          per_step("checkpoint_cost_s", checkpoint_cost_s))
+    xs = (
+        np.arange(1, n + 1, dtype=np.int32),
+        y,
+        per_step("step_time_s", step_time_s),
+        per_step("checkpoint_cost_s", checkpoint_cost_s),
+    )
     saves = np.asarray(_run(policy, xs))
     return np.flatnonzero(saves).astype(np.int64) + 1
 
@@ -68,8 +72,9 @@ def _run(policy: Policy, xs):
 def _scan(policy, steps, losses, step_times, costs):
     def body(state, x):
         step, loss, step_time, cost = x
-        save, state = policy.update(state, step=step, loss=loss, step_time_s=step_time,
-                                    checkpoint_cost_s=cost)
+        save, state = policy.update(
+            state, step=step, loss=loss, step_time_s=step_time, checkpoint_cost_s=cost
+        )
         return state, jnp.asarray(save, bool)
 
     _, saves = jax.lax.scan(body, policy.init(), (steps, losses, step_times, costs))

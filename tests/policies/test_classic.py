@@ -17,8 +17,9 @@ def test_fixed_saves_at_multiples():
     np.testing.assert_array_equal(_plan(cj.policies.fixed(7), 30), [7, 14, 21, 28])
 
 
-@pytest.mark.parametrize(("cost", "mtbf", "step_time"), [(10.0, 3600.0, 1.0), (8.0, 3600.0, 1.0),
-                                                         (30.0, 7200.0, 2.5)])
+@pytest.mark.parametrize(
+    ("cost", "mtbf", "step_time"), [(10.0, 3600.0, 1.0), (8.0, 3600.0, 1.0), (30.0, 7200.0, 2.5)]
+)
 def test_young_interval_is_sqrt_2cm_to_the_nearest_step(cost, mtbf, step_time):
     interval = math.sqrt(2 * cost * mtbf) / step_time
     steps = _plan(cj.policies.young(mtbf), 2000, step_time, cost)
@@ -28,8 +29,9 @@ def test_young_interval_is_sqrt_2cm_to_the_nearest_step(cost, mtbf, step_time):
     assert float(cj.policies.young_interval(cost, mtbf)) == pytest.approx(formula)
 
 
-@pytest.mark.parametrize(("cost", "mtbf"), [(10.0, 3600.0), (30.0, 7200.0), (600.0, 1000.0),
-                                            (3000.0, 1000.0)])
+@pytest.mark.parametrize(
+    ("cost", "mtbf"), [(10.0, 3600.0), (30.0, 7200.0), (600.0, 1000.0), (3000.0, 1000.0)]
+)
 def test_daly_interval_is_the_higher_order_formula(cost, mtbf):
     if cost < 2 * mtbf:
         x = cost / (2 * mtbf)

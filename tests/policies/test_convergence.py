@@ -35,7 +35,7 @@ def test_fitter_recovers_parameters_from_noisy_curves(family, p1, p2, a, c):
     assert float(fit.a) == pytest.approx(a, rel=0.05)
     assert float(fit.c) == pytest.approx(c, abs=0.05 * a)
     pred = np.asarray(jax.vmap(lambda kk: conv.predict(fit, kk))(jnp.asarray(k, jnp.float32)))
-    assert np.max(np.abs(pred - clean)[n // 20:]) < 3 * noise
+    assert np.max(np.abs(pred - clean)[n // 20 :]) < 3 * noise
 
 
 def test_history_is_bounded_and_keeps_every_point():
@@ -63,8 +63,7 @@ def test_spikes_are_clipped_before_binning():
     spiked[150] = 1e6
     k = np.arange(1, 201)
     f1, f2 = conv.fit_points(k, y), conv.fit_points(k, spiked)
-    assert float(conv.predict(f2, 200.0)) == pytest.approx(float(conv.predict(f1, 200.0)),
-                                                           abs=0.02)
+    assert float(conv.predict(f2, 200.0)) == pytest.approx(float(conv.predict(f1, 200.0)), abs=0.02)
 
 
 def test_flat_losses_forecast_no_drop_and_rising_ones_no_fit():

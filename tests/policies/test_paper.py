@@ -42,8 +42,7 @@ def test_saves_where_the_fitted_loss_has_fallen_by_pc():
 
 def test_falls_back_to_young_when_the_loss_does_not_fall():
     losses = np.full(2000, 2.0)
-    steps = cj.plan(losses, cj.policies.coci_paper(3600.0), step_time_s=1.0,
-                    checkpoint_cost_s=10.0)
+    steps = cj.plan(losses, cj.policies.coci_paper(3600.0), step_time_s=1.0, checkpoint_cost_s=10.0)
     young = round(math.sqrt(2 * 10.0 * 3600.0))
     assert steps[0] == _paper.PROFILE_SAVE_STEP
     np.testing.assert_array_equal(np.diff(steps[1:]), young)

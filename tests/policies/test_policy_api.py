@@ -20,8 +20,9 @@ CASES = {
     "checkfreq": lambda: cj.policies.checkfreq(max_overhead=0.2),
     "coci": lambda: cj.policies.coci(mtbf_s=600.0, recovery_s=30.0, total_steps=N),
     "coci_no_total": lambda: cj.policies.coci(mtbf_s=600.0),
-    "coci_paper": lambda: cj.policies.coci_paper(mtbf_s=600.0, profile_steps=20,
-                                                 fit_interval=50, time_unit_s=1.0),
+    "coci_paper": lambda: cj.policies.coci_paper(
+        mtbf_s=600.0, profile_steps=20, fit_interval=50, time_unit_s=1.0
+    ),
 }
 # Built once: `plan` caches its compiled scan per policy object.
 POLICIES = {name: make() for name, make in CASES.items()}
@@ -83,8 +84,7 @@ def test_by_name_builds_each_policy(name):
     kwargs = {"fixed": {"every": 3}, "checkfreq": {}}.get(name, {"mtbf_s": 100.0})
     policy = cj.policies.by_name(name, **kwargs)
     assert isinstance(policy, cj.policies.Policy)
-    save, _ = policy.update(policy.init(), step=3, loss=1.0, step_time_s=1.0,
-                            checkpoint_cost_s=1.0)
+    save, _ = policy.update(policy.init(), step=3, loss=1.0, step_time_s=1.0, checkpoint_cost_s=1.0)
     assert np.asarray(save).dtype == bool
 
 
@@ -140,14 +140,20 @@ def test_coci_arguments_are_validated(mtbf, tw):
 
 
 LOSSES = hnp.arrays(
-    np.float32, 64,
-    elements=st.one_of(st.floats(-1e6, 1e6, width=32),
-                       st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1e30])))
+    np.float32,
+    64,
+    elements=st.one_of(
+        st.floats(-1e6, 1e6, width=32), st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1e30])
+    ),
+)
 
 
 @settings(max_examples=25, deadline=None)
-@given(losses=LOSSES, name=st.sampled_from(sorted(CASES)),
-       cost=st.sampled_from([0.0, 0.5, 5.0, np.nan]))
+@given(
+    losses=LOSSES,
+    name=st.sampled_from(sorted(CASES)),
+    cost=st.sampled_from([0.0, 0.5, 5.0, np.nan]),
+)
 def test_any_losses_give_increasing_in_range_saves(losses, name, cost):
     saves = cj.plan(losses, POLICIES[name], step_time_s=1.0, checkpoint_cost_s=cost)
     assert saves.dtype == np.int64
@@ -163,8 +169,9 @@ def test_replayed_steps_keep_saving_but_are_not_refitted():
     state = policy.init()
     saves = []
     for s in steps:
-        save, state = update(state, step=s, loss=2.0 + 1.0 / s, step_time_s=1.0,
-                             checkpoint_cost_s=1.0)
+        save, state = update(
+            state, step=s, loss=2.0 + 1.0 / s, step_time_s=1.0, checkpoint_cost_s=1.0
+        )
         saves.append(bool(save))
     assert int(state.history.count) == 120  # 1..120 once each, not 160
     assert int(state.clock.last_step) == 120

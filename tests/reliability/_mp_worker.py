@@ -125,8 +125,9 @@ def save(cfg: dict[str, Any]) -> None:
             # The last step is forced so that the newest checkpoint is the final state, which
             # process 0 gathers as the reference below.
             last = step == cfg["steps"]
-            saved = mngr.save(step, {"params": params, "opt_state": opt_state}, loss=loss,
-                              force=last)
+            saved = mngr.save(
+                step, {"params": params, "opt_state": opt_state}, loss=loss, force=last
+            )
             decisions.append(bool(saved))
         mngr.wait_until_finished()
         final = {"params": params, "opt_state": opt_state}
@@ -134,8 +135,10 @@ def save(cfg: dict[str, Any]) -> None:
     owned = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(final)[0]:
         owned[jax.tree_util.keystr(path)] = [
-            [[s.start or 0, s.stop if s.stop is not None else dim] for s, dim in
-             zip(shard.index, leaf.shape, strict=True)]
+            [
+                [s.start or 0, s.stop if s.stop is not None else dim]
+                for s, dim in zip(shard.index, leaf.shape, strict=True)
+            ]
             for shard in leaf.addressable_shards
             if shard.replica_id == 0
         ]
@@ -185,8 +188,12 @@ def restore(cfg: dict[str, Any]) -> None:
             shards += 1
             if not np.array_equal(np.asarray(shard.data), want[shard.index]):
                 mismatches.append(f"{key} shard {shard.index} differs")
-    record = {"mismatches": mismatches, "shards": shards, "devices": jax.device_count(),
-              "leaves": len(ref)}
+    record = {
+        "mismatches": mismatches,
+        "shards": shards,
+        "devices": jax.device_count(),
+        "leaves": len(ref),
+    }
     out = Path(cfg["out"]) / f"restore_{cfg['num_processes']}_{me}.json"
     out.write_text(json.dumps(record))
 

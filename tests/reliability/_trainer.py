@@ -229,8 +229,12 @@ def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any]
         if bad:
             problems.append(f"step {step} listed but does not verify: {bad}")
         referenced |= {p.resolve() for p in storage.referenced_stripe_dirs(item)}
-    on_disk = {p.resolve() for root in cfg["roots"]
-               for p in Path(root).rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
+    on_disk = {
+        p.resolve()
+        for root in cfg["roots"]
+        for p in Path(root).rglob(f"{storage.STRIPE_PREFIX}*")
+        if p.is_dir()
+    }
     orphans = sorted(str(p) for p in on_disk - referenced)
     missing = sorted(str(p) for p in referenced - on_disk)
     if orphans:

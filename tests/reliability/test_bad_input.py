@@ -39,8 +39,7 @@ _FACTORIES = {
     "coci-mtbf": (lambda v: P.coci(mtbf_s=v), "mtbf_s", _POSITIVE),
     "coci-recovery": (lambda v: P.coci(recovery_s=v), "recovery_s", _NON_NEGATIVE),
     "coci-time-weight": (lambda v: P.coci(time_weight=v), "time_weight", [-0.1, 1.5, math.nan]),
-    "young-cost-prior": (lambda v: P.young(3600.0, cost_prior_s=v), "cost_prior_s",
-                         _NON_NEGATIVE),
+    "young-cost-prior": (lambda v: P.young(3600.0, cost_prior_s=v), "cost_prior_s", _NON_NEGATIVE),
     "checkfreq-overhead": (lambda v: P.checkfreq(v), "max_overhead", [*_POSITIVE, 2.0]),
 }
 
@@ -75,10 +74,16 @@ def test_policy_update_treats_nan_inf_negative_inputs_as_missing(name: str) -> N
         row = {"loss": loss, "step_time_s": 1.0, "checkpoint_cost_s": 5.0}
         variants = dict.fromkeys(runs, row)
         if step in bad_rows:
-            variants["bad"] = {"loss": [math.nan, math.inf, -math.inf][step % 3],
-                               "step_time_s": -1.0, "checkpoint_cost_s": -5.0}
-            variants["missing"] = {"loss": math.nan, "step_time_s": math.nan,
-                                   "checkpoint_cost_s": math.nan}
+            variants["bad"] = {
+                "loss": [math.nan, math.inf, -math.inf][step % 3],
+                "step_time_s": -1.0,
+                "checkpoint_cost_s": -5.0,
+            }
+            variants["missing"] = {
+                "loss": math.nan,
+                "step_time_s": math.nan,
+                "checkpoint_cost_s": math.nan,
+            }
             # The control run sees other valid values: the policy does notice its inputs.
             variants["valid"] = {"loss": loss, "step_time_s": 3.0, "checkpoint_cost_s": 0.5}
         for key, inputs in variants.items():
@@ -89,8 +94,10 @@ def test_policy_update_treats_nan_inf_negative_inputs_as_missing(name: str) -> N
     bad, missing, valid = (jax.tree.leaves(states[k]) for k in runs)
     for a, b in zip(bad, missing, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert any(not np.array_equal(np.asarray(a), np.asarray(c), equal_nan=True)
-               for a, c in zip(missing, valid, strict=True))
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(c), equal_nan=True)
+        for a, c in zip(missing, valid, strict=True)
+    )
     assert not any(np.any(np.isinf(np.asarray(x))) for x in bad), "an inf leaked into the state"
 
 
@@ -114,18 +121,29 @@ def test_save_decision_policy_rejects_wrong_types() -> None:
     [
         (["verify", "{missing}"], 2, "{missing}"),
         (["ls", "{missing}"], 2, "{missing}"),
-        (["plan", "{missing}", "--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
-         "{missing}"),
-        (["plan", "{csv}", "--mtbf", "4h", "--ckpt-cost", "-20s", "--step-time", "1s"], 2,
-         "ckpt-cost"),
-        (["plan", "{csv}", "--mtbf", "0", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
-         "mtbf"),
-        (["plan", "{csv}", "--mtbf", "soon", "--ckpt-cost", "20s", "--step-time", "1s"], 2,
-         "mtbf"),
+        (
+            ["plan", "{missing}", "--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "1s"],
+            2,
+            "{missing}",
+        ),
+        (
+            ["plan", "{csv}", "--mtbf", "4h", "--ckpt-cost", "-20s", "--step-time", "1s"],
+            2,
+            "ckpt-cost",
+        ),
+        (["plan", "{csv}", "--mtbf", "0", "--ckpt-cost", "20s", "--step-time", "1s"], 2, "mtbf"),
+        (["plan", "{csv}", "--mtbf", "soon", "--ckpt-cost", "20s", "--step-time", "1s"], 2, "mtbf"),
         (["verify", "{foreign}"], 1, "{foreign}"),
     ],
-    ids=["verify-missing-dir", "ls-missing-dir", "plan-missing-csv", "plan-negative-cost",
-         "plan-zero-mtbf", "plan-bad-duration", "verify-foreign-dir"],
+    ids=[
+        "verify-missing-dir",
+        "ls-missing-dir",
+        "plan-missing-csv",
+        "plan-negative-cost",
+        "plan-zero-mtbf",
+        "plan-bad-duration",
+        "verify-foreign-dir",
+    ],
 )
 def test_cli_bad_input_is_one_line_without_traceback(
     tmp_path: Path, capsys, argv: list[str], code: int, needle: str
@@ -157,8 +175,9 @@ def _abstract(tree: Any) -> Any:
 
 @pytest.fixture
 def mngr(tmp_path: Path):
-    with cj.CheckpointManager(tmp_path / "ckpt", roots=[tmp_path / "r0", tmp_path / "r1"],
-                              policy=P.fixed(1000)) as m:
+    with cj.CheckpointManager(
+        tmp_path / "ckpt", roots=[tmp_path / "r0", tmp_path / "r1"], policy=P.fixed(1000)
+    ) as m:
         yield m
 
 
@@ -190,8 +209,9 @@ def test_manager_rejects_wrong_policy_type(tmp_path: Path) -> None:
 def test_manager_rejects_duplicate_roots(tmp_path: Path) -> None:
     root = tmp_path / "r0"
     with pytest.raises(ValueError, match="r0"):
-        cj.CheckpointManager(tmp_path / "ckpt", roots=[root, tmp_path / "." / "r0"],
-                             policy=P.fixed(1))
+        cj.CheckpointManager(
+            tmp_path / "ckpt", roots=[root, tmp_path / "." / "r0"], policy=P.fixed(1)
+        )
 
 
 def test_manager_rejects_directory_written_by_something_else(tmp_path: Path) -> None:
@@ -217,8 +237,11 @@ def test_save_rejects_step_not_after_latest(mngr) -> None:
     assert mngr.all_steps() == [5]
 
 
-@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, jnp.asarray(math.nan)],
-                         ids=["nan", "inf", "-inf", "jax-nan"])
+@pytest.mark.parametrize(
+    "loss",
+    [math.nan, math.inf, -math.inf, jnp.asarray(math.nan)],
+    ids=["nan", "inf", "-inf", "jax-nan"],
+)
 def test_save_with_nan_inf_loss_still_saves_and_decides(mngr, loss: Any) -> None:
     for step in range(1, 4):
         mngr.save(step, _tree(), loss=loss)
@@ -228,9 +251,11 @@ def test_save_with_nan_inf_loss_still_saves_and_decides(mngr, loss: Any) -> None
     assert math.isnan(mngr.measurements.loss) or math.isinf(mngr.measurements.loss)
 
 
-@pytest.mark.parametrize(("loss", "error"), [("x", TypeError), (None, TypeError),
-                                             (np.ones(2), ValueError)],
-                         ids=["str", "none", "vector"])
+@pytest.mark.parametrize(
+    ("loss", "error"),
+    [("x", TypeError), (None, TypeError), (np.ones(2), ValueError)],
+    ids=["str", "none", "vector"],
+)
 def test_save_rejects_wrong_loss(mngr, loss: Any, error: type) -> None:
     with pytest.raises(error, match="loss"):
         mngr.save(1, _tree(), loss=loss)
@@ -239,7 +264,8 @@ def test_save_rejects_wrong_loss(mngr, loss: Any, error: type) -> None:
 def _threads_waiting_for_orbax_signals() -> list[str]:
     frames = sys._current_frames()
     return [
-        t.name for t in threading.enumerate()
+        t.name
+        for t in threading.enumerate()
         if t.ident in frames
         and "_wait_for_signals" in "".join(traceback.format_stack(frames[t.ident]))
     ]
@@ -251,8 +277,9 @@ def test_save_rejects_unsupported_leaf_naming_its_path(tmp_path: Path) -> None:
     # could leave behind (see below) showed up in most rounds after the first few.
     for i in range(8):
         d = tmp_path / f"run{i}"
-        with cj.CheckpointManager(d / "ckpt", roots=[d / "r0", d / "r1"],
-                                  policy=P.fixed(1000)) as m:
+        with cj.CheckpointManager(
+            d / "ckpt", roots=[d / "r0", d / "r1"], policy=P.fixed(1000)
+        ) as m:
             assert m.save(1, {"ok": np.ones(2, np.float32)}, loss=1.0, force=True)
             m.wait_until_finished()
             with pytest.raises(TypeError, match=r"\['bad'\]\['leaf'\]"):
@@ -315,8 +342,9 @@ def test_read_only_root_fails_at_construction(tmp_path: Path, read_only_root: Pa
     with pytest.raises(ValueError, match=str(read_only_root)):
         cj.StripedCheckpointHandler(roots=[tmp_path / "ok", read_only_root])
     with pytest.raises(ValueError, match=str(read_only_root)):
-        cj.CheckpointManager(tmp_path / "ckpt", roots=[tmp_path / "ok", read_only_root],
-                             policy=P.fixed(1))
+        cj.CheckpointManager(
+            tmp_path / "ckpt", roots=[tmp_path / "ok", read_only_root], policy=P.fixed(1)
+        )
 
 
 def test_storage_read_manifest_of_missing_directory(tmp_path: Path) -> None:

@@ -80,8 +80,10 @@ def test_next_save_never_interleaves_with_the_running_one(tmp_path: Path, monkey
                 np.testing.assert_array_equal(np.asarray(restored[k]), v)
     # The overlap really happened (else this test would prove nothing).
     assert any(running_when_next_started), "every save finished before the next began"
-    stripes = {s: [d.name for d in storage.referenced_stripe_dirs(item_dir(directory, s))]
-               for s in (1, 2, 3)}
+    stripes = {
+        s: [d.name for d in storage.referenced_stripe_dirs(item_dir(directory, s))]
+        for s in (1, 2, 3)
+    }
     by_step: dict[int, list[dict[int, bool]]] = {1: [], 2: [], 3: []}
     for spec, committed in opens:
         for step in (1, 2, 3):
@@ -116,8 +118,7 @@ def test_second_writer_gets_a_clear_error(tmp_path: Path, capsys) -> None:
         assert mngr.save(1, state, loss=1.0, force=True)
         mngr.wait_until_finished()
 
-        other = subprocess.run(argv, env=child_env(1), capture_output=True, text=True,
-                               timeout=120)
+        other = subprocess.run(argv, env=child_env(1), capture_output=True, text=True, timeout=120)
         assert other.returncode == 3, other.stdout + other.stderr
         assert other.stdout.startswith("DirectoryLockedError"), other.stdout
         assert str(directory) in other.stdout and "lock" in other.stdout.lower(), other.stdout
@@ -138,8 +139,13 @@ def test_second_writer_gets_a_clear_error(tmp_path: Path, capsys) -> None:
         assert storage.verify(item_dir(directory, 1)) == []
 
     # Once the first writer closed, another process may write.
-    after = subprocess.run([*argv[:3], str(directory), *roots], env=child_env(1),
-                           capture_output=True, text=True, timeout=120)
+    after = subprocess.run(
+        [*argv[:3], str(directory), *roots],
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert after.returncode == 0 and "saved" in after.stdout, after.stdout + after.stderr
 
 

@@ -103,8 +103,13 @@ def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
         assert list(mngr.all_steps()) == [1, 2, 4]
         referenced = set()
         for step in mngr.all_steps():
-            referenced |= {Path(p).resolve() for p in
-                           storage.referenced_stripe_dirs(item_dir(directory, step))}
-        on_disk = {p.resolve() for r in roots
-                   for p in Path(r).rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
+            referenced |= {
+                Path(p).resolve() for p in storage.referenced_stripe_dirs(item_dir(directory, step))
+            }
+        on_disk = {
+            p.resolve()
+            for r in roots
+            for p in Path(r).rglob(f"{storage.STRIPE_PREFIX}*")
+            if p.is_dir()
+        }
         assert on_disk == referenced

@@ -27,8 +27,11 @@ def _launch(cfg: dict[str, Any], n: int, devices: int, timeout: float = 240.0) -
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "_mp_worker.py"),
-             json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port})],
+            [
+                sys.executable,
+                str(HERE / "_mp_worker.py"),
+                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
+            ],
             env=child_env(devices),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -81,11 +84,13 @@ def test_two_processes_save_shards_and_restore_anywhere(tmp_path: Path) -> None:
     assert all_pieces
     for piece in all_pieces:
         writers = [
-            i for i, rec in enumerate(records)
+            i
+            for i, rec in enumerate(records)
             if any(p.rstrip("/").endswith(piece.relpath.rstrip("/")) for p in rec["opened"])
         ]
         owners = [
-            i for i, rec in enumerate(records)
+            i
+            for i, rec in enumerate(records)
             if any(_contains(shard, piece.index) for shard in rec["owned"].get(piece.leaf, []))
         ]
         assert len(writers) == 1, f"{piece.leaf} {piece.relpath}: opened by processes {writers}"
