@@ -54,8 +54,7 @@ class _Snapshot:
         if piece.packed:
             return self.packs[piece.name]
         chunk, start, stop, _ = piece.members[0]
-        local = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, chunk.start, strict=True))
-        return self.buffers[chunk.source][local]
+        return self.buffers[chunk.source][_layout.local_slices(start, stop, chunk.start)]
 
 
 class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):

@@ -19,12 +19,13 @@ import tensorstore as ts
 import xxhash
 from orbax.checkpoint._src import asyncio_utils
 
-from cocijax.storage import _manifest
+from cocijax.storage import _layout, _manifest, _tree
 from cocijax.storage._manifest import CorruptCheckpointError, Manifest, PieceRecord, Problem
 
 # xxh3_64 hashes ~15 GB/s per core on the development machine, zlib's CRC-32 ~2 GB/s (measured):
 # with CRC-32, hashing was a large share of the CPU time of a save and of a verified restore.
 CHECKSUM = "xxh3_64"
+_ALIGN = 64  # bytes; see aligned_empty
 
 
 def checksum(array: np.ndarray) -> int:
@@ -203,33 +204,48 @@ class PieceReader:
             )
             for m, got in zip(members, sums, strict=True):
                 if m.checksum is not None and got != m.checksum:
-                    bad[_ident(m)] = (
-                        f"checksum mismatch ({CHECKSUM} expected {m.checksum}, got {got})"
-                    )
+                    bad[_ident(m)] = _mismatch(m.checksum, got)
         return data, bad
 
-    async def region(
-        self, piece: PieceRecord, start: tuple[int, ...], stop: tuple[int, ...]
-    ) -> np.ndarray:
-        """The part ``[start, stop)`` (global indices, inside the piece) of ``piece``."""
-        local = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, piece.start, strict=True))
-        if self._verify or piece.offset is not None:
-            key = (piece.root, piece.file)
+    async def read_into(
+        self,
+        piece: PieceRecord,
+        start: tuple[int, ...],
+        stop: tuple[int, ...],
+        dest: np.ndarray,
+    ) -> None:
+        """Reads the part ``[start, stop)`` (global indices, inside the piece) into ``dest``.
+
+        A whole unpacked piece goes straight from TensorStore into ``dest`` and is checksummed
+        there; a part of a piece, or a packed member, is copied from the whole file (read once,
+        verified, and held until its last announced use) unless no checksum is needed.
+        """
+        key = (piece.root, piece.file)
+        local = _layout.local_slices(start, stop, piece.start)
+        whole = piece.offset is None and start == piece.start and stop == piece.stop
+        if piece.offset is None and (whole or not self._verify):
+            self._release(key)
+            array = await self._array(piece)
             try:
-                data, bad = await self._read_full(piece)
-            finally:
-                self._release(key)
-            if _ident(piece) in bad:
-                raise self._error(piece, bad[_ident(piece)])
-            return _member(data, piece)[local]
-        array = await self._array(piece)
+                await ts.array(dest, copy=False, write=True).write(array[local])
+            except Exception as e:
+                raise self._error(piece, f"cannot read the data ({e})") from e
+            if whole and self._verify and piece.checksum is not None:
+                loop = asyncio.get_running_loop()
+                got = await loop.run_in_executor(self._pool, checksum, dest)
+                if got != piece.checksum:
+                    raise self._error(piece, _mismatch(piece.checksum, got))
+            return
         try:
-            return await array[local].read()
-        except Exception as e:
-            raise self._error(piece, f"cannot read the data ({e})") from e
+            data, bad = await self._read_full(piece)
+        finally:
+            self._release(key)
+        if _ident(piece) in bad:
+            raise self._error(piece, bad[_ident(piece)])
+        dest[...] = _member(data, piece)[local]
 
     def reserve(self, piece: PieceRecord) -> None:
-        """Announces one future :meth:`region` call on ``piece``'s file.
+        """Announces one future :meth:`read_into` call on ``piece``'s file.
 
         A whole file read for checksumming is dropped from memory after its last announced
         use, so a restore holds only the pieces still in flight, not the whole checkpoint.
@@ -252,6 +268,30 @@ class PieceReader:
         """Drops the cached data of one file."""
         self._full.pop(key, None)
         self._open.pop(key, None)
+
+
+def _mismatch(expected: int, got: int) -> str:
+    return f"checksum mismatch ({CHECKSUM} expected {expected}, got {got})"
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary.
+
+    XLA's CPU client adopts such a host buffer in ``jax.device_put`` instead of copying it
+    (16-byte aligned numpy buffers are copied): a restore on CPU then allocates and fills its
+    memory once.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    offset = -raw.ctypes.data % _ALIGN
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_copy(array: np.ndarray) -> np.ndarray:
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def _ident(piece: PieceRecord) -> tuple[Any, ...]:
@@ -302,7 +342,9 @@ def verify(item_dir: os.PathLike | str) -> list[Problem]:
             async with limit:
                 for piece in pieces:
                     try:
-                        await reader.region(piece, piece.start, piece.stop)
+                        dtype = _tree.to_dtype(manifest.leaves[piece.leaf].dtype)
+                        scratch = aligned_empty(piece.shape, dtype)
+                        await reader.read_into(piece, piece.start, piece.stop, scratch)
                     except CorruptCheckpointError as e:
                         file = str(manifest.piece_path(piece, item_dir))
                         out.append(Problem(_leaf_name(manifest, piece), file, str(e)))

@@ -184,3 +184,11 @@ def box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ..
         start.append(a)
         stop.append(b)
     return tuple(start), tuple(stop)
+
+
+def local_slices(start: tuple[int, ...], stop: tuple[int, ...], origin: tuple[int, ...]) -> tuple:
+    """Index of the global region ``[start, stop)`` in an array that begins at ``origin``.
+
+    It ends with ``...`` so that indexing a 0-d array gives a view, not a scalar.
+    """
+    return (*(slice(a - o, b - o) for a, b, o in zip(start, stop, origin, strict=True)), ...)

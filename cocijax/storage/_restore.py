@@ -72,8 +72,9 @@ def restore_tree(
         if plans[i].devices is None:
             host[i][j] = data
         else:
-            for device in plans[i].devices[j]:
-                to_put.append(data)
+            for k, device in enumerate(plans[i].devices[j]):
+                # On CPU, device_put adopts the aligned buffer: each device gets its own.
+                to_put.append(data if k == 0 else _io.aligned_copy(data))
                 devices.append(device)
                 owners.append(i)
     placed: list[list[Any]] = [[] for _ in plans]
@@ -133,18 +134,12 @@ def _request(
 
 
 async def _assemble(reader: _io.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
-    """The host array of one requested region of one leaf."""
+    """The host array of one requested region of one leaf, read in place from its pieces."""
     start, stop, parts = request
-    shape = tuple(b - a for a, b in zip(start, stop, strict=True))
-    if len(parts) == 1 and parts[0][1] == start and parts[0][2] == stop:
-        # One piece is exactly the region: hand its array over, no extra copy.
-        p, lo, hi = parts[0]
-        return np.asarray(await reader.region(p, lo, hi), dtype=dtype).reshape(shape)
-    out = np.empty(shape, dtype)
-    datas = await _io.gather_all(reader.region(p, lo, hi) for p, lo, hi in parts)
-    for (_, lo, hi), data in zip(parts, datas, strict=True):
-        local = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))
-        out[local] = data
+    out = _io.aligned_empty(tuple(b - a for a, b in zip(start, stop, strict=True)), dtype)
+    await _io.gather_all(
+        reader.read_into(p, lo, hi, out[_layout.local_slices(lo, hi, start)]) for p, lo, hi in parts
+    )
     return out
 
 

@@ -1,0 +1,23 @@
+"""Host buffers for restore (cocijax.storage._io)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cocijax.storage import _io
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, ml_dtypes.bfloat16])
+def test_aligned_empty_starts_on_64_bytes(shape, dtype):
+    out = _io.aligned_empty(shape, dtype)
+    assert out.shape == shape and out.dtype == np.dtype(dtype)
+    assert out.ctypes.data % 64 == 0
+    assert out.flags.c_contiguous and out.flags.writeable
+
+
+def test_aligned_copy_is_an_equal_independent_array():
+    source = np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1:]  # not contiguous
+    copy = _io.aligned_copy(source)
+    np.testing.assert_array_equal(copy, source)
+    assert copy.ctypes.data % 64 == 0 and not np.shares_memory(copy, source)
