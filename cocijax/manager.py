@@ -336,7 +336,7 @@ class CheckpointManager:
         # Reject unsupported leaves before Orbax starts its background threads: a TypeError
         # raised inside the handler's async_save leaves Orbax threads waiting up to 300 s for
         # signals that never come, which also blocks interpreter exit.
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        for path, leaf in storage_tree.flatten(state)[0]:
             storage_tree.leaf_kind(path, leaf)
         snapshot = self._driver.snapshot(loss)
         measured: dict[str, float] = {}

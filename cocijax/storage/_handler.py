@@ -209,8 +209,9 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             kind = _tree.leaf_kind(path, leaf)
             keys = _tree.encode_keys(path)
             name = jax.tree_util.keystr(path)
-            if kind in _tree.SCALAR_KINDS:
-                leaves.append(LeafRecord(name, keys, kind, None, (), value=leaf))
+            if kind in _tree.INLINE_KINDS:
+                value = _tree.empty_tag(leaf) if kind == _tree.EMPTY_KIND else leaf
+                leaves.append(LeafRecord(name, keys, kind, None, (), value=value))
                 continue
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in leaf.shape)

@@ -19,6 +19,8 @@ import os
 import pathlib
 from typing import Any
 
+from cocijax.storage import _tree
+
 MANIFEST_NAME = "cocijax_manifest.json"
 """File name of the manifest inside an Orbax item directory."""
 
@@ -61,10 +63,12 @@ class LeafRecord:
     Attributes:
       path: ``jax.tree_util.keystr`` of the leaf's key path.
       keys: the key path as ``(kind, key)`` pairs, enough to rebuild nested dicts/lists.
-      kind: ``"jax"``, ``"numpy"``, ``"np_scalar"``, ``"bool"``, ``"int"`` or ``"float"``.
+      kind: ``"jax"``, ``"numpy"``, ``"np_scalar"``, ``"bool"``, ``"int"``, ``"float"`` or
+        ``"empty"`` (None or an empty container).
       dtype: numpy dtype name for array kinds, ``None`` for Python scalars.
       shape: global shape (``()`` for scalars).
-      value: the value itself for Python scalars (stored inline), else ``None``.
+      value: the value itself for Python scalars (stored inline), ``"none"``, ``"dict"`` or
+        ``"list"`` for empty leaves, else ``None``.
     """
 
     path: str
@@ -327,7 +331,7 @@ def _check_coverage(manifest: Manifest, item_dir: pathlib.Path) -> None:
     for p in manifest.pieces:
         covered[p.leaf] += math.prod(p.shape)
     for leaf, n in zip(manifest.leaves, covered, strict=True):
-        if leaf.kind in ("bool", "int", "float"):
+        if leaf.kind in _tree.INLINE_KINDS:
             continue
         if n != leaf.size:
             raise CheckpointFormatError(

@@ -38,7 +38,7 @@ def restore_tree(
     """
     manifest = _manifest.read_manifest(directory)
     if target is None:
-        targets: list[Any] = [None] * len(manifest.leaves)
+        targets: list[Any] = [_NO_TARGET] * len(manifest.leaves)
         treedef = None
     else:
         flat, treedef = _tree.flatten(target)
@@ -86,6 +86,10 @@ def restore_tree(
     if treedef is None:
         return _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+# Leaf target of a restore without a target tree (``None`` is a leaf value of its own).
+_NO_TARGET = object()
 
 
 def _check_structure(manifest: Manifest, paths: list[str], directory: pathlib.Path) -> None:
@@ -167,9 +171,19 @@ def _plan_leaf(
     directory: pathlib.Path,
 ) -> _LeafPlan:
     """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
+    if target is _NO_TARGET and record.kind == _tree.EMPTY_KIND:
+        return _LeafPlan([], lambda _: _tree.rebuild_empty(record.value))
+    if (record.kind == _tree.EMPTY_KIND) != _tree.is_empty(target):
+        held = "None or an empty container" if record.kind == _tree.EMPTY_KIND else "a value"
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the checkpoint holds {held}, but the target "
+            f"holds {type(target).__name__}."
+        )
+    if record.kind == _tree.EMPTY_KIND:
+        return _LeafPlan([], lambda _: target)  # the target's own (empty) object
     if record.kind in _tree.SCALAR_KINDS:
         value = {"bool": bool, "int": int, "float": float}[record.kind](record.value)
-        if target is None or isinstance(target, bool | int | float):
+        if target is _NO_TARGET or isinstance(target, bool | int | float):
             return _LeafPlan([], lambda _: value)
         # A saved Python scalar restores into a 0-d array target (e.g. from jax.eval_shape).
         if tuple(target.shape) != ():
@@ -183,11 +197,13 @@ def _plan_leaf(
         sharding = getattr(target, "sharding", None)
         return _LeafPlan([], lambda _: jax.device_put(data, sharding))
     whole = ((0,) * len(record.shape), record.shape)
-    if target is None or isinstance(target, np.ndarray | np.generic):
-        if target is not None:
+    if target is _NO_TARGET or isinstance(target, np.ndarray | np.generic):
+        if target is not _NO_TARGET:
             _target_spec(record, target, directory)
         full = _request(reader, pieces, *whole)
-        scalar = record.kind == "np_scalar" if target is None else isinstance(target, np.generic)
+        scalar = (
+            record.kind == "np_scalar" if target is _NO_TARGET else isinstance(target, np.generic)
+        )
         return _LeafPlan([full], lambda d: d[0][()] if scalar else d[0])
     if isinstance(target, bool | int | float):
         return _LeafPlan([_request(reader, pieces, *whole)], lambda d: type(target)(d[0].item()))

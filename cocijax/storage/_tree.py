@@ -3,7 +3,8 @@
 The manifest stores key paths as ``(kind, key)`` pairs rather than a pickled treedef, so a
 checkpoint is readable without the code that defined the tree's classes. With a target tree the
 structure comes from the target (namedtuples, Flax structs round-trip exactly); without one,
-nested dicts and lists are rebuilt from the key paths.
+nested dicts and lists are rebuilt from the key paths. Empty containers and ``None`` are
+recorded as leaves of kind ``"empty"``, so that they survive a restore without a target too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ SUPPORTED_DTYPES = frozenset(
 )  # fmt: skip
 
 SCALAR_KINDS = ("bool", "int", "float")
+EMPTY_KIND = "empty"
+# Kinds stored in the manifest itself: they have no pieces.
+INLINE_KINDS = (*SCALAR_KINDS, EMPTY_KIND)
+# What an "empty" leaf held, and how to rebuild it without a target (a tuple becomes a list, as
+# every sequence does).
+_EMPTY_VALUES = {"none": lambda: None, "dict": dict, "list": list}
 
 
 def to_dtype(name: str) -> np.dtype:
@@ -33,9 +40,24 @@ def to_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def is_empty(x: Any) -> bool:
+    """``None`` or an empty dict/list/tuple (an empty namedtuple such as optax's EmptyState too)."""
+    return x is None or (isinstance(x, dict | list | tuple) and not x)
+
+
 def flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``(key path, leaf)`` pairs and the treedef, ``None`` treated as an empty subtree."""
-    return jax.tree_util.tree_flatten_with_path(tree)
+    """``(key path, leaf)`` pairs and the treedef; empty containers and ``None`` are leaves."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)
+
+
+def empty_tag(leaf: Any) -> str:
+    """The manifest value of an empty leaf: ``"none"``, ``"dict"`` or ``"list"``."""
+    return "none" if leaf is None else "dict" if isinstance(leaf, dict) else "list"
+
+
+def rebuild_empty(tag: str) -> Any:
+    """A fresh empty container (or None) for a manifest value from :func:`empty_tag`."""
+    return _EMPTY_VALUES[tag]()
 
 
 def leaf_kind(path: Any, leaf: Any) -> str:
@@ -44,6 +66,8 @@ def leaf_kind(path: Any, leaf: Any) -> str:
     Raises:
       TypeError: the leaf type or dtype cannot be saved; the message names the key path.
     """
+    if is_empty(leaf):
+        return EMPTY_KIND
     if isinstance(leaf, jax.Array):
         kind = "jax"
     elif isinstance(leaf, np.ndarray):

@@ -12,7 +12,7 @@ from cocijax.storage import _io
 def test_aligned_empty_starts_on_64_bytes(shape, dtype):
     out = _io.aligned_empty(shape, dtype)
     assert out.shape == shape and out.dtype == np.dtype(dtype)
-    assert out.ctypes.data % 64 == 0
+    assert out.size == 0 or out.ctypes.data % 64 == 0  # an empty array has no data to align
     assert out.flags.c_contiguous and out.flags.writeable
 
 

@@ -65,6 +65,41 @@ def test_every_leaf_kind_round_trips(tmp_path, roots, entry):
     assert len(big) > 1 and {p.root for p in big} == {0, 1}
 
 
+def test_empty_containers_and_none_survive_a_restore_without_target(tmp_path):
+    state = {
+        "none": None,
+        "dict": {},
+        "list": [],
+        "tuple": (),
+        "empty_state": optax.EmptyState(),
+        "nested": {"w": np.ones(2, np.float32), "inner": {}},
+    }
+    with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        ckptr.save(tmp_path / "root_empty", args=cj.StripedSave({}))
+        as_saved = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
+        into_target = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(state))
+        root_empty = ckptr.restore(tmp_path / "root_empty", args=cj.StripedRestore())
+    # Without a target every sequence comes back as a list, like the rest of the rebuilt tree.
+    assert {k: v for k, v in as_saved.items() if k != "nested"} == {
+        "none": None, "dict": {}, "list": [], "tuple": [], "empty_state": []
+    }  # fmt: skip
+    assert as_saved["nested"]["inner"] == {}
+    np.testing.assert_array_equal(as_saved["nested"]["w"], state["nested"]["w"])
+    assert isinstance(into_target["empty_state"], optax.EmptyState)
+    assert into_target["tuple"] == () and into_target["none"] is None
+    assert root_empty == {}
+
+
+def test_restore_refuses_an_empty_leaf_where_a_value_was_saved(tmp_path):
+    with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave({"a": np.ones(3), "b": None}))
+        with pytest.raises(ValueError, match=r"Leaf \['a'\].*holds a value.*NoneType"):
+            ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore({"a": None, "b": None}))
+        with pytest.raises(ValueError, match=r"Leaf \['b'\].*holds None or an empty container"):
+            ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore({"a": np.ones(3), "b": 1.0}))
+
+
 def test_optax_and_flax_train_state_round_trip(tmp_path):
     class MLP(nn.Module):
         @nn.compact
