@@ -337,7 +337,8 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
           args: :class:`StripedRestore`. Its ``item`` is a target tree whose leaves are
             ``jax.ShapeDtypeStruct`` (with a sharding, or on the default device), ``jax.Array``
             (its sharding is reused), numpy arrays or scalars (restored as numpy), or Python
-            scalars; ``None`` restores nested dicts/lists of numpy arrays.
+            scalars; ``None`` restores nested dicts/lists of numpy arrays. Its ``roots`` reads
+            stripes that were moved since the save.
 
         Returns:
           The restored tree, with the target's structure when a target is given.
@@ -345,7 +346,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the manifest is missing or invalid.
           ValueError: the target's structure, shapes or dtypes differ from the saved tree
-            (names the leaf).
+            (names the leaf), or ``roots`` has the wrong length.
           CorruptCheckpointError: a piece is missing, truncated or fails its checksum (names
             the leaf and the file).
         """
@@ -355,6 +356,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             self._context,
             self._pool,
             verify=self._checksums,
+            roots=None if args is None else args.roots,
         )
 
     def metadata(self, directory: epath.Path) -> Manifest:
@@ -418,6 +420,9 @@ class StripedRestore(checkpoint_args.CheckpointArgs):
     Attributes:
       item: target tree (``jax.ShapeDtypeStruct`` with shardings, arrays, or scalars), or
         ``None`` for nested dicts/lists of numpy arrays.
+      roots: where the stripes are now, one directory per root recorded at save time (in the
+        same order), when they were moved; ``None`` reads the recorded roots.
     """
 
     item: Any = None
+    roots: Sequence[os.PathLike | str | None] | None = None

@@ -12,6 +12,7 @@ import concurrent.futures
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -310,7 +311,9 @@ def _member(data: np.ndarray, piece: PieceRecord) -> np.ndarray:
     return flat.reshape(piece.shape)
 
 
-def verify(item_dir: os.PathLike | str) -> list[Problem]:
+def verify(
+    item_dir: os.PathLike | str, roots: Sequence[os.PathLike | str | None] | None = None
+) -> list[Problem]:
     """Checks every piece of a committed item against its manifest.
 
     Reads every byte and recomputes the checksums; also catches missing files, unreadable zarr
@@ -319,6 +322,7 @@ def verify(item_dir: os.PathLike | str) -> list[Problem]:
 
     Args:
       item_dir: the Orbax item directory.
+      roots: where the stripes are now, if they were moved (see ``Manifest.with_roots``).
 
     Returns:
       The problems found, one per defective piece; ``[]`` when the item is intact.
@@ -331,6 +335,7 @@ def verify(item_dir: os.PathLike | str) -> list[Problem]:
         manifest = _manifest.read_manifest(item_dir)
     except _manifest.CheckpointFormatError as e:
         return [Problem("", str(item_dir / _manifest.MANIFEST_NAME), str(e))]
+    manifest = manifest.with_roots(roots)
     context = make_context(16)
     with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
         reader = PieceReader(manifest, item_dir, context, pool, verify=True)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 from cocijax.storage import _tree
@@ -138,6 +139,25 @@ class Manifest:
 
     def piece_path(self, piece: PieceRecord, item_dir: os.PathLike | str) -> pathlib.Path:
         return self.root_dir(piece.root, item_dir) / piece.file
+
+    def with_roots(self, roots: Sequence[os.PathLike | str | None] | None) -> Manifest:
+        """This manifest reading its pieces from ``roots`` instead of the recorded roots.
+
+        For stripes that were moved (e.g. to other mount points): ``roots[i]`` replaces
+        recorded root ``i``; ``None`` entries mean the item directory. ``None`` changes nothing.
+
+        Raises:
+          ValueError: ``roots`` has a different length than the recorded roots.
+        """
+        if roots is None:
+            return self
+        if isinstance(roots, str | os.PathLike) or len(roots) != len(self.roots):
+            raise ValueError(
+                f"roots must list {len(self.roots)} directories (one per root the checkpoint "
+                f"was striped over, in order: {list(self.roots)}), got {roots!r}."
+            )
+        moved = tuple(None if r is None else str(pathlib.Path(r).absolute()) for r in roots)
+        return dataclasses.replace(self, roots=moved)
 
     def to_json(self) -> dict[str, Any]:
         return {

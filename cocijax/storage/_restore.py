@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,15 +30,18 @@ def restore_tree(
     pool: concurrent.futures.Executor,
     *,
     verify: bool,
+    roots: Sequence[os.PathLike | str | None] | None = None,
 ) -> Any:
     """Restores the item in ``directory`` into ``target`` (see ``StripedCheckpointHandler``).
+
+    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``).
 
     Raises:
       CheckpointFormatError: the manifest is missing or invalid.
       ValueError: the target's structure, shapes or dtypes differ (names the leaf).
       CorruptCheckpointError: a piece is missing or corrupt (names the leaf and the file).
     """
-    manifest = _manifest.read_manifest(directory)
+    manifest = _manifest.read_manifest(directory).with_roots(roots)
     if target is None:
         targets: list[Any] = [_NO_TARGET] * len(manifest.leaves)
         treedef = None

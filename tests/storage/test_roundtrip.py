@@ -261,3 +261,24 @@ def test_replicated_restore_gives_every_device_its_own_buffer(tmp_path, roots):
     assert len({s.data.unsafe_buffer_pointer() for s in shards}) == len(shards) == 4
     for s in shards:
         np.testing.assert_array_equal(np.asarray(s.data), np.asarray(x))
+
+
+def test_moved_stripes_restore_and_verify_with_new_roots(tmp_path, roots):
+    state = {"w": np.arange(50_000, dtype=np.float32), "b": np.ones(3)}
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024, piece_bytes=1 << 16)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+    moved = [tmp_path / "elsewhere" / f"disk{i}" for i in range(2)]
+    for old, new in zip(roots, moved, strict=True):
+        new.parent.mkdir(exist_ok=True)
+        old.rename(new)
+    item = tmp_path / "ckpt"
+    with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+        with pytest.raises(cj.storage.CorruptCheckpointError, match="root0"):
+            ckptr.restore(item, args=cj.StripedRestore())
+        got = ckptr.restore(item, args=cj.StripedRestore(roots=moved))
+        with pytest.raises(ValueError, match="roots must list 2 directories"):
+            ckptr.restore(item, args=cj.StripedRestore(roots=moved[:1]))
+    assert_tree_equal(state, got)
+    assert cj.storage.verify(item, roots=moved) == []
+    assert cj.storage.verify(item) != []
