@@ -290,11 +290,8 @@ def _step_size(step: StepDir) -> int:
             extra = storage.referenced_stripe_dirs(step.path / STATE_ITEM)
         except (ValueError, OSError):
             extra = []
-        inside = step.path.resolve()
-        for d in extra:
-            d = Path(d).resolve()
-            if d.is_dir() and inside not in d.parents:
-                size += _tree_size(d)
+        # Stripes inside the step itself (roots=()) are not listed: _tree_size counted them.
+        size += sum(_tree_size(d) for d in extra if d.is_dir())
     return size
 
 
