@@ -1,0 +1,120 @@
+"""Direct chunk writes (cocijax.storage._direct): same files as TensorStore's, readable by zarr."""
+
+import errno
+import os
+import pathlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cocijax as cj
+from cocijax.storage import _direct, _io
+
+DTYPES = [np.float32, np.int8, np.bool_, np.float64, ml_dtypes.bfloat16, np.complex64]
+
+
+def _files(item: pathlib.Path) -> dict[str, bytes]:
+    """Every file of every piece of a saved item, keyed by root, piece name and relative path."""
+    m = cj.storage.read_manifest(item)
+    out = {}
+    for piece in m.pieces:
+        top = m.piece_path(piece, item)
+        for path in sorted(top.rglob("*")):
+            if path.is_file():
+                out[f"{piece.root}/{top.name}/{path.relative_to(top)}"] = path.read_bytes()
+    return out
+
+
+def _save(path: pathlib.Path, state, *, direct: bool, roots) -> None:
+    handler = cj.StripedCheckpointHandler(
+        roots, small_bytes=256, chunk_bytes=3000, piece_bytes=20_000, direct_writes=direct
+    )
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(path, args=cj.StripedSave(state))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    cols=st.sampled_from([(), (1,), (7,), (3, 5), (1024,)]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_direct_writes_make_the_same_files_as_tensorstore(tmp_path_factory, rows, cols, dtype):
+    tmp = tmp_path_factory.mktemp("direct")
+    rng = np.random.default_rng(rows)
+    big = (rng.standard_normal((rows, *cols)) * 50).astype(dtype)
+    state = {"big": big, "small": np.arange(5).astype(dtype), "jax": jnp.asarray(big)}
+    _save(tmp / "direct", state, direct=True, roots=[tmp / "d0", tmp / "d1"])
+    _save(tmp / "ts", state, direct=False, roots=[tmp / "t0", tmp / "t1"])
+    direct, via_ts = _files(tmp / "direct"), _files(tmp / "ts")
+    assert direct.keys() == via_ts.keys() and direct == via_ts
+    with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+        got = ckptr.restore(tmp / "direct", args=cj.StripedRestore())
+    for key in state:
+        np.testing.assert_array_equal(got[key], np.asarray(state[key]))
+
+
+def test_zarr_python_reads_directly_written_pieces(tmp_path, roots):
+    w = np.random.default_rng(0).standard_normal((257, 130)).astype(np.float32)
+    _save(tmp_path / "ckpt", {"w": w}, direct=True, roots=roots)
+    m = cj.storage.read_manifest(tmp_path / "ckpt")
+    assert len(m.pieces) > 1
+    for piece in m.pieces:
+        arr = zarr.open_array(str(m.piece_path(piece, tmp_path / "ckpt")), mode="r")
+        region = tuple(slice(a, b) for a, b in zip(piece.start, piece.stop, strict=True))
+        np.testing.assert_array_equal(arr[...], w[region])
+
+
+def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
+    calls = []
+    write_file = _direct.write_file
+    monkeypatch.setattr(
+        _direct,
+        "write_file",
+        lambda path, data, direct: (calls.append(direct), write_file(path, data, direct=direct)),
+    )
+    state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
+    handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        ckptr.wait_until_finished()
+    assert len(calls) >= 4
+    assert all(calls) == _direct.supports_direct(roots[0])
+    assert cj.storage.verify(tmp_path / "ckpt") == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("offset", [0, 1, 64])
+@pytest.mark.parametrize("size", [1, 4095, 4096, 3 * 4096 + 17])
+def test_write_file_writes_exact_bytes_at_any_alignment(tmp_path, direct, offset, size):
+    buf = _io.aligned_empty((size + offset,), np.uint8, _io.BLOCK)
+    buf[:] = np.random.default_rng(size).integers(0, 256, buf.size, dtype=np.uint8)
+    path = tmp_path / "f"
+    _direct.write_file(
+        path, memoryview(buf[offset:]), direct=direct and _direct.supports_direct(tmp_path)
+    )
+    assert path.read_bytes() == buf[offset:].tobytes()
+
+
+def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, roots, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_direct.os, "open", no_direct)
+    assert not _direct.supports_direct(tmp_path)
+    state = {"w": np.arange(1 << 20, dtype=np.float32)}
+    handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 18)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        got = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
+    np.testing.assert_array_equal(got["w"], state["w"])
