@@ -1,16 +1,18 @@
-"""StripedCheckpointHandler: an async Orbax handler striping TensorStore writes over roots.
+"""StripedCheckpointHandler: an async Orbax handler striping zarr v3 pieces over roots.
 
 Only the device-to-host snapshot blocks ``save``: ``async_save`` copies every replica-0 shard
-to host memory exactly once and returns an Orbax commit future that, once Orbax has created the
-item directory, writes the pieces with TensorStore (all roots in parallel), fsyncs them and their
-directories, and then writes this process's manifest part. ``finalize`` (primary process, after
-every process committed) merges the parts into the manifest. By itself the handler is not atomic:
-Orbax's temporary-directory rename makes the item appear, and the manifest marks it complete.
+to page-aligned host memory exactly once and returns an Orbax commit future that, once Orbax has
+created the item directory, writes the pieces (all roots in parallel), fsyncs them and their
+directories, and then writes this process's manifest part. TensorStore creates every zarr array
+and writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
+``_direct``. ``finalize`` (primary process, after every process committed) merges the parts into
+the manifest. By itself the handler is not atomic: Orbax's temporary-directory rename makes the
+item appear, and the manifest marks it complete.
 
 Each save writes under a fresh ``cocijax-stripe-<uuid4>`` directory on every root, so saves (and
 processes) never share or overwrite a file. Design after FastPersist (Wang et al., 2024,
-"FastPersist: Accelerating Model Checkpointing in Deep Learning", arXiv:2406.13768): parallel
-writes over several devices, overlapped with training.
+"FastPersist: Accelerating Model Checkpointing in Deep Learning", arXiv:2406.13768): direct
+writes from aligned host buffers, in parallel over several devices, overlapped with training.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self._checksums = checksums
         self._direct_writes = direct_writes
         self._concurrency = concurrency
-        self._direct_ok: dict[pathlib.Path, bool] = {}  # per directory: O_DIRECT works there
+        self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
         self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
         options = multiprocessing_options or options_lib.MultiprocessingOptions()
         self._primary_host = options.primary_host
@@ -301,7 +303,11 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 compression_level=self._compression_level,
             )
             if self._direct_writes and self._compression is None and _direct.can_write_raw(data):
-                writes.append(self._write_raw(spec, data, stripe_dirs[piece.root]))
+                if piece.root not in self._direct_ok:  # probed once per root
+                    self._direct_ok[piece.root] = _direct.supports_direct(
+                        stripe_dirs[piece.root].parent
+                    )
+                writes.append(self._write_raw(spec, data, direct=self._direct_ok[piece.root]))
             else:
                 writes.append(_io.write_piece(spec, data, self._context))
             if self._checksums:
@@ -339,17 +345,16 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             _manifest.part_path(directory, jax.process_index()), part.to_json()
         )
 
-    async def _write_raw(self, spec: dict[str, Any], data: np.ndarray, stripe: pathlib.Path):
+    async def _write_raw(self, spec: dict[str, Any], data: np.ndarray, *, direct: bool) -> None:
         """TensorStore creates the zarr array (its metadata); the chunk files are written here."""
         await ts.open(spec, context=self._context)
-        if stripe.parent not in self._direct_ok:
-            self._direct_ok[stripe.parent] = _direct.supports_direct(stripe.parent)
         rows = spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"][0]
-        jobs = _direct.chunk_jobs(
-            pathlib.Path(spec["kvstore"]["path"]), data, rows, direct=self._direct_ok[stripe.parent]
-        )
+        path = pathlib.Path(spec["kvstore"]["path"])
         loop = asyncio.get_running_loop()
-        await _io.gather_all(loop.run_in_executor(self._io_pool, job) for job in jobs)
+        await _io.gather_all(
+            loop.run_in_executor(self._io_pool, job)
+            for job in _direct.chunk_jobs(path, data, rows, direct=direct)
+        )
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).

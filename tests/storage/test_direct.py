@@ -77,7 +77,7 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
     monkeypatch.setattr(
         _direct,
         "write_file",
-        lambda path, data, direct: (calls.append(direct), write_file(path, data, direct=direct)),
+        lambda path, data, **kw: (calls.append(kw["direct"]), write_file(path, data, **kw)),
     )
     state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
     handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20)
@@ -92,14 +92,14 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("offset", [0, 1, 64])
 @pytest.mark.parametrize("size", [1, 4095, 4096, 3 * 4096 + 17])
-def test_write_file_writes_exact_bytes_at_any_alignment(tmp_path, direct, offset, size):
+@pytest.mark.parametrize("extend", [0, 5000])
+def test_write_file_writes_exact_bytes_at_any_alignment(tmp_path, direct, offset, size, extend):
     buf = _io.aligned_empty((size + offset,), np.uint8, _io.BLOCK)
     buf[:] = np.random.default_rng(size).integers(0, 256, buf.size, dtype=np.uint8)
     path = tmp_path / "f"
-    _direct.write_file(
-        path, memoryview(buf[offset:]), direct=direct and _direct.supports_direct(tmp_path)
-    )
-    assert path.read_bytes() == buf[offset:].tobytes()
+    direct = direct and _direct.supports_direct(tmp_path)
+    _direct.write_file(path, memoryview(buf[offset:]), direct=direct, size=size + extend)
+    assert path.read_bytes() == buf[offset:].tobytes() + bytes(extend)
 
 
 def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, roots, monkeypatch):
