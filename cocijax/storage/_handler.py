@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
 import pathlib
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +53,9 @@ class _Snapshot:
     pieces: list[_layout.Piece]
     buffers: list[np.ndarray | None]  # per chunk source: the host copy of an unpacked chunk
     packs: dict[str, np.ndarray]  # per packed piece name: its flat host buffer
+    stripe: str  # name of this save's stripe directory on every root
+    # Per piece name: chunk-file writes started while the rest of the tree was being copied.
+    early: dict[str, list[concurrent.futures.Future]]
 
     def data(self, piece: _layout.Piece) -> np.ndarray:
         if piece.packed:
@@ -263,33 +267,69 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         for s in sources:
             if isinstance(s, jax.Array):
                 s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
-        buffers: list[np.ndarray | None] = [None] * len(sources)
-        packs: dict[str, np.ndarray] = {}
-        jobs: list[Any] = []
-        jobs_done: set[int] = set()
+        stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
+        snapshot = _Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {})
+        # Stripe directories on external roots can be made now, so a piece's chunk files can be
+        # written as soon as its host copy is done (the item directory may not exist yet).
+        early_roots = {p.root for p in pieces if self._roots[p.root] is not None}
+        for r in early_roots:
+            (self._roots[r] / stripe).mkdir()
+        # (copy function, pieces it completes) per host copy job.
+        jobs: list[tuple[Callable[[], None], list[_layout.Piece]]] = []
+        by_source: dict[int, list[_layout.Piece]] = {}
         for piece in pieces:
             if piece.packed:
                 # Small regions are copied straight into their pack (still one copy each), in
                 # one job per pack: one numpy call instead of a thread hop per leaf.
                 buf = _io.aligned_empty(piece.shape, piece.dtype, _io.BLOCK)
-                packs[piece.name] = buf
+                snapshot.packs[piece.name] = buf
                 members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
-                jobs.append(lambda m=members, b=buf: _pack_into(m, b))
-            elif piece.members[0][0].source not in jobs_done:
-                src = piece.members[0][0].source
-                jobs_done.add(src)
-                jobs.append(lambda i=src: buffers.__setitem__(i, _host_copy(sources[i])))
+                jobs.append((functools.partial(_pack_into, members, buf), [piece]))
+                continue
+            src = piece.members[0][0].source
+            if src not in by_source:
+                by_source[src] = []
+                jobs.append(
+                    (functools.partial(_copy_source, snapshot, sources, src), by_source[src])
+                )
+            by_source[src].append(piece)
+
+        def copy_then_write(job: tuple[Callable[[], None], list[_layout.Piece]]) -> None:
+            copy, copied = job
+            copy()
+            for piece in copied:
+                if piece.root in early_roots:
+                    stripe_dir = self._roots[piece.root] / stripe
+                    started = self._start_raw(stripe_dir, piece, snapshot.data(piece))
+                    if started is not None:
+                        snapshot.early[piece.name] = started
+
+        self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
         # Copy in parallel: numpy's copy releases the GIL, so threads share the memory bandwidth.
-        list(self._pool.map(lambda job: job(), jobs))
-        return _Snapshot(leaves, pieces, buffers, packs)
+        list(self._pool.map(copy_then_write, jobs))
+        return snapshot
+
+    def _start_raw(
+        self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
+    ) -> list[concurrent.futures.Future] | None:
+        """Starts the direct writes of ``piece``'s chunk files; ``None`` if it needs TensorStore."""
+        if not (self._direct_writes and self._compression is None and _direct.can_write_raw(data)):
+            return None
+        if piece.root not in self._direct_ok:  # probed once per root
+            self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
+        rows = _io.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
+        jobs = _direct.chunk_jobs(
+            stripe_dir / piece.name, data, rows, direct=self._direct_ok[piece.root]
+        )
+        return [self._io_pool.submit(job) for job in jobs]
 
     async def _commit(self, directory: pathlib.Path, snapshot: _Snapshot) -> None:
         loop = asyncio.get_running_loop()
-        stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
+        stripe = snapshot.stripe
         used = sorted({p.root for p in snapshot.pieces})
         stripe_dirs = {r: (self._roots[r] or directory) / stripe for r in used}
         for d in stripe_dirs.values():
-            d.mkdir()
+            d.mkdir(exist_ok=True)
         sums: list[asyncio.Future] = []
         writes = []
         for piece in snapshot.pieces:
@@ -302,14 +342,13 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 compression=self._compression,
                 compression_level=self._compression_level,
             )
-            if self._direct_writes and self._compression is None and _direct.can_write_raw(data):
-                if piece.root not in self._direct_ok:  # probed once per root
-                    self._direct_ok[piece.root] = _direct.supports_direct(
-                        stripe_dirs[piece.root].parent
-                    )
-                writes.append(self._write_raw(spec, data, direct=self._direct_ok[piece.root]))
-            else:
+            started = snapshot.early.get(piece.name)
+            if started is None:
+                started = self._start_raw(stripe_dirs[piece.root], piece, data)
+            if started is None:
                 writes.append(_io.write_piece(spec, data, self._context))
+            else:
+                writes.append(self._finish_raw(spec, started))
             if self._checksums:
                 for member in _member_views(snapshot, piece):
                     sums.append(loop.run_in_executor(self._pool, _io.checksum, member))
@@ -345,16 +384,12 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             _manifest.part_path(directory, jax.process_index()), part.to_json()
         )
 
-    async def _write_raw(self, spec: dict[str, Any], data: np.ndarray, *, direct: bool) -> None:
-        """TensorStore creates the zarr array (its metadata); the chunk files are written here."""
-        await ts.open(spec, context=self._context)
-        rows = spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"][0]
-        path = pathlib.Path(spec["kvstore"]["path"])
-        loop = asyncio.get_running_loop()
-        await _io.gather_all(
-            loop.run_in_executor(self._io_pool, job)
-            for job in _direct.chunk_jobs(path, data, rows, direct=direct)
-        )
+    async def _finish_raw(self, spec: dict[str, Any], started: list[concurrent.futures.Future]):
+        """TensorStore creates the zarr array (its metadata); its chunk files were started."""
+        try:
+            await ts.open(spec, context=self._context)
+        finally:
+            await _io.gather_all(asyncio.wrap_future(f) for f in started)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
@@ -431,6 +466,10 @@ def _host_copy(source: Any) -> np.ndarray:
     out = _io.aligned_empty(view.shape, view.dtype, _io.BLOCK)
     np.copyto(out, view)
     return out
+
+
+def _copy_source(snapshot: _Snapshot, sources: list[Any], index: int) -> None:
+    snapshot.buffers[index] = _host_copy(sources[index])
 
 
 def _pack_into(sources: list[Any], dest: np.ndarray) -> None:

@@ -7,13 +7,17 @@ import pytest
 from cocijax.storage import _io
 
 
-@pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7)])
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (512, 1024)])
 @pytest.mark.parametrize("dtype", [np.float32, np.int8, ml_dtypes.bfloat16])
-def test_aligned_empty_starts_on_64_bytes(shape, dtype):
-    out = _io.aligned_empty(shape, dtype)
+@pytest.mark.parametrize("align", [64, _io.BLOCK])
+def test_aligned_empty_is_aligned_and_writable(shape, dtype, align):
+    # (512, 1024) is above the size from which buffers are anonymous mappings.
+    out = _io.aligned_empty(shape, dtype, align)
     assert out.shape == shape and out.dtype == np.dtype(dtype)
-    assert out.size == 0 or out.ctypes.data % 64 == 0  # an empty array has no data to align
+    assert out.size == 0 or out.ctypes.data % align == 0  # an empty array has no data to align
     assert out.flags.c_contiguous and out.flags.writeable
+    out[...] = 1
+    assert (out == 1).all()
 
 
 def test_aligned_copy_is_an_equal_independent_array():
