@@ -451,9 +451,14 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 f"Command: `{cmd}` (repeat={args.repeat}, median). `seq` is one sequential "
                 "write of the same bytes plus one fsync (one stream: what the issue calls the "
-                "device limit; parallel writes can exceed it on this virtual disk); its blocking "
-                "column is empty. `cocijax-N` stripes over N root directories; on this machine "
-                "all roots of a pass share one device, so only tmpfs shows parallel scaling.",
+                "device limit; parallel writes can exceed it on this virtual disk), then one "
+                "sequential read of them into fresh memory after evicting the page cache (its "
+                "restore column); its blocking column is empty. `cocijax-N` stripes over N root "
+                "directories with the default options (chunk files written with O_DIRECT; "
+                "pieces of one chunk or more start while the rest of the tree is still being "
+                "copied; restores read in place into aligned buffers). On this machine all "
+                "roots of a pass share one "
+                "device, so more roots show the cost of striping, not the gain of more disks.",
                 "",
                 f"Noise: this is a shared virtual machine; {_spread(runs)}",
                 "",

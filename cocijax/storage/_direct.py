@@ -41,7 +41,7 @@ def can_write_raw(data: np.ndarray) -> bool:
 
 
 def supports_direct(directory: pathlib.Path) -> bool:
-    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs cannot)."""
+    """Whether files in ``directory`` accept ``O_DIRECT`` (tmpfs before Linux 6.6 does not)."""
     if not hasattr(os, "O_DIRECT"):
         return False
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".cocijax-direct-probe-") as f:

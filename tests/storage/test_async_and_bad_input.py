@@ -18,7 +18,8 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
     """Structural: before Orbax signals the item directory, only chunk files on the external
     roots are written (no zarr metadata, no manifest part), and the data the commit writes is
     the snapshot taken inside async_save, not the live arrays."""
-    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024)
+    # chunk_bytes below the host leaf's size: its chunk writes may start inside async_save.
+    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024, chunk_bytes=4096)
     source = np.arange(4096, dtype=np.float32)
     device = jnp.arange(8, dtype=jnp.int32)
     item = tmp_path / "not_created_yet"
