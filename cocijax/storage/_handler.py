@@ -283,7 +283,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if piece.packed:
                 # Small regions are copied straight into their pack (still one copy each), in
                 # one job per pack: one numpy call instead of a thread hop per leaf.
-                buf = _io.aligned_empty(piece.shape, piece.dtype, _io.BLOCK)
+                buf = _io.aligned_empty(piece.shape, piece.dtype, _direct.BLOCK)
                 snapshot.packs[piece.name] = buf
                 members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
                 jobs.append((functools.partial(_pack_into, members, buf), [piece]))
@@ -432,6 +432,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             self._context,
             self._pool,
             verify=self._checksums,
+            io_pool=self._io_pool,
             roots=None if args is None else args.roots,
         )
 
@@ -465,7 +466,7 @@ def _host_copy(source: Any) -> np.ndarray:
         return np.asarray(source)  # The device-to-host transfer made a fresh buffer.
     # On CPU np.asarray aliases the device buffer, which the next step may donate: copy now.
     view = np.asarray(source)
-    out = _io.aligned_empty(view.shape, view.dtype, _io.BLOCK)
+    out = _io.aligned_empty(view.shape, view.dtype, _direct.BLOCK)
     np.copyto(out, view)
     return out
 

@@ -21,15 +21,12 @@ import tensorstore as ts
 import xxhash
 from orbax.checkpoint._src import asyncio_utils
 
-from cocijax.storage import _layout, _manifest, _tree
+from cocijax.storage import _direct, _layout, _manifest, _tree
 from cocijax.storage._manifest import CorruptCheckpointError, Manifest, PieceRecord, Problem
 
 # xxh3_64 hashes ~15 GB/s per core on the development machine, zlib's CRC-32 ~2 GB/s (measured):
 # with CRC-32, hashing was a large share of the CPU time of a save and of a verified restore.
 CHECKSUM = "xxh3_64"
-# Alignment of addresses, offsets and lengths for O_DIRECT writes (covers 512-byte and 4 KiB
-# logical blocks); chunks start on it when their rows allow.
-BLOCK = 4096
 # Host buffers from this size up are anonymous mappings (see aligned_empty); smaller ones come
 # from numpy's allocator, so that many tiny leaves do not cost one mapping each.
 _MMAP_BYTES = 1 << 20
@@ -65,7 +62,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list
         return []
     row = math.prod(shape[1:]) * itemsize
     rows = max(1, min(shape[0], chunk_bytes // max(row, 1)))
-    step = BLOCK // math.gcd(max(row, 1), BLOCK)
+    step = _direct.BLOCK // math.gcd(max(row, 1), _direct.BLOCK)
     if rows < shape[0] and rows >= step:
         rows -= rows % step
     return [rows, *shape[1:]]
@@ -157,11 +154,13 @@ class PieceReader:
         pool: concurrent.futures.Executor,
         *,
         verify: bool,
+        io_pool: concurrent.futures.Executor | None = None,
     ):
         self._m = manifest
         self._dir = item_dir
         self._ctx = context
-        self._pool = pool
+        self._pool = pool  # checksums
+        self._io_pool = io_pool or pool  # blocking chunk-file reads
         if manifest.checksum not in (None, CHECKSUM):
             raise _manifest.CheckpointFormatError(
                 f"{item_dir}: checksums are {manifest.checksum!r}; this version of cocijax "
@@ -241,7 +240,7 @@ class PieceReader:
             self._release(key)
             array = await self._array(piece)
             try:
-                await ts.array(dest, copy=False, write=True).write(array[local])
+                await self._read_array(piece, array, local, dest, whole)
             except Exception as e:
                 raise self._error(piece, f"cannot read the data ({e})") from e
             if whole and self._verify and piece.checksum is not None:
@@ -257,6 +256,22 @@ class PieceReader:
         if _ident(piece) in bad:
             raise self._error(piece, bad[_ident(piece)])
         dest[...] = _member(data, piece)[local]
+
+    async def _read_array(
+        self, piece: PieceRecord, array: ts.TensorStore, local: tuple, dest: np.ndarray, whole: bool
+    ) -> None:
+        rows = None
+        if whole and dest.flags.c_contiguous:
+            rows = _direct.raw_chunk_rows(array.spec().to_json().get("metadata", {}))
+        if rows is None:
+            await ts.array(dest, copy=False, write=True).write(array[local])
+            return
+        # Raw chunk files of a whole piece: read straight into their rows of ``dest``.
+        loop = asyncio.get_running_loop()
+        path = self._m.piece_path(piece, self._dir)
+        await gather_all(
+            loop.run_in_executor(self._io_pool, job) for job in _direct.read_jobs(path, dest, rows)
+        )
 
     def reserve(self, piece: PieceRecord) -> None:
         """Announces one future :meth:`read_into` call on ``piece``'s file.
@@ -355,8 +370,11 @@ def verify(
         return [Problem("", str(item_dir / _manifest.MANIFEST_NAME), str(e))]
     manifest = manifest.with_roots(roots)
     context = make_context(16)
-    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
-        reader = PieceReader(manifest, item_dir, context, pool, verify=True)
+    with (
+        concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool,
+        concurrent.futures.ThreadPoolExecutor(16) as io_pool,
+    ):
+        reader = PieceReader(manifest, item_dir, context, pool, verify=True, io_pool=io_pool)
 
         limit = asyncio.Semaphore(8)
 

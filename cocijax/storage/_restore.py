@@ -30,6 +30,7 @@ def restore_tree(
     pool: concurrent.futures.Executor,
     *,
     verify: bool,
+    io_pool: concurrent.futures.Executor | None = None,
     roots: Sequence[os.PathLike | str | None] | None = None,
 ) -> Any:
     """Restores the item in ``directory`` into ``target`` (see ``StripedCheckpointHandler``).
@@ -49,7 +50,7 @@ def restore_tree(
         flat, treedef = _tree.flatten(target)
         _check_structure(manifest, [jax.tree_util.keystr(p) for p, _ in flat], directory)
         targets = [leaf for _, leaf in flat]
-    reader = _io.PieceReader(manifest, directory, context, pool, verify=verify)
+    reader = _io.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
         by_leaf[p.leaf].append(p)

@@ -94,7 +94,7 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
 @pytest.mark.parametrize("size", [1, 4095, 4096, 3 * 4096 + 17])
 @pytest.mark.parametrize("extend", [0, 5000])
 def test_write_file_writes_exact_bytes_at_any_alignment(tmp_path, direct, offset, size, extend):
-    buf = _io.aligned_empty((size + offset,), np.uint8, _io.BLOCK)
+    buf = _io.aligned_empty((size + offset,), np.uint8, _direct.BLOCK)
     buf[:] = np.random.default_rng(size).integers(0, 256, buf.size, dtype=np.uint8)
     path = tmp_path / "f"
     direct = direct and _direct.supports_direct(tmp_path)
@@ -118,3 +118,41 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
         ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
         got = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
     np.testing.assert_array_equal(got["w"], state["w"])
+
+
+def test_raw_chunk_rows_accepts_only_plain_bytes_with_default_keys(tmp_path):
+    plain = _io.write_spec(
+        tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
+        compression_level=3,
+    )["metadata"]  # fmt: skip
+    assert _direct.raw_chunk_rows(plain) == 35
+    zstd = dict(plain, codecs=[*plain["codecs"], {"name": "zstd", "configuration": {"level": 3}}])
+    dots = dict(plain, chunk_key_encoding={"name": "default", "configuration": {"separator": "."}})
+    v2_keys = dict(plain, chunk_key_encoding={"name": "v2"})
+    split_cols = dict(
+        plain, chunk_grid={"name": "regular", "configuration": {"chunk_shape": [35, 3]}}
+    )
+    big_endian = dict(plain, codecs=[{"name": "bytes", "configuration": {"endian": "big"}}])
+    for other in (zstd, dots, v2_keys, split_cols, big_endian):
+        assert _direct.raw_chunk_rows(other) is None
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_whole_piece_restore_reads_through_the_right_path(
+    tmp_path, roots, compression, monkeypatch
+):
+    # Uncompressed pieces are read straight from their chunk files; zstd ones through TensorStore.
+    direct_reads = []
+    read_jobs = _direct.read_jobs
+    monkeypatch.setattr(
+        _direct, "read_jobs", lambda *a: direct_reads.extend(read_jobs(*a)) or read_jobs(*a)
+    )
+    state = {"w": np.random.default_rng(1).standard_normal((1000, 33)).astype(np.float32)}
+    handler = cj.StripedCheckpointHandler(
+        roots, small_bytes=1024, chunk_bytes=10_000, compression=compression
+    )
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
+        got = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore())
+    np.testing.assert_array_equal(got["w"], state["w"])
+    assert bool(direct_reads) == (compression is None)

@@ -4,12 +4,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cocijax.storage import _io
+from cocijax.storage import _direct, _io
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (512, 1024)])
 @pytest.mark.parametrize("dtype", [np.float32, np.int8, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("align", [64, _io.BLOCK])
+@pytest.mark.parametrize("align", [64, _direct.BLOCK])
 def test_aligned_empty_is_aligned_and_writable(shape, dtype, align):
     # (512, 1024) is above the size from which buffers are anonymous mappings.
     out = _io.aligned_empty(shape, dtype, align)
