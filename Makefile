@@ -28,6 +28,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/policy_bench.py
 	$(BIN)/python benchmarks/write_bench.py
+	$(BIN)/python benchmarks/restore_floor.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -321,13 +321,6 @@ def _targets(results: dict, trees: list[str], loc: str) -> list[str]:
         m = best[t]
         x = get(t, "orbax", "restore_s") / get(t, m, "restore_s")
         out.append(_verdict(f"({t}) restore >= 1.5x Orbax ({m})", x, 1.5, "x"))
-        if x < 1.5 and get(t, "seq", "restore_s"):
-            need = get(t, "orbax", "restore_s") / 1.5
-            out.append(
-                f"- Note: 1.5x Orbax on ({t}) means restoring in {need:.3f} s; one sequential read "
-                f"of the same bytes into fresh memory (the seq row) took "
-                f"{get(t, 'seq', 'restore_s'):.3f} s here."
-            )
     for t in trees:
         worst = max(get(t, m, "peak_extra") / get(t, m, "bytes") for m in METHODS[2:])
         out.append(_verdict(f"({t}) peak extra host memory <= 1.3x tree (worst roots)", worst, 1.3,

@@ -1,8 +1,9 @@
-"""TensorStore I/O for pieces: zarr3 specs, concurrent writes and reads, checksums, ``verify``.
+"""Piece I/O: zarr3 specs, concurrent writes and reads, checksums, host buffers, ``verify``.
 
 Every piece is a standard zarr v3 array (``zarr3`` driver on the ``file`` kvstore), so
-zarr-python reads it without cocijax. TensorStore does the concurrency; the Python side only
-issues every open/write/read at once and awaits them together.
+zarr-python reads it without cocijax. TensorStore opens every array and moves compressed pieces
+and parts of pieces; whole uncompressed pieces are read from their chunk files by ``_direct``.
+The Python side issues every operation at once and awaits them together.
 """
 
 from __future__ import annotations
