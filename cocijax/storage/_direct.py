@@ -68,13 +68,21 @@ def chunk_jobs(
     the full chunk shape, as zarr stores edge chunks. Chunk keys follow zarr v3's default
     encoding with ``/``: ``c/<i>/0/...``.
     """
-    zeros = ("0",) * (data.ndim - 1)
-    jobs = []
-    for i, start in enumerate(range(0, data.shape[0], chunk_rows)):
-        chunk = data[start : start + chunk_rows]
-        path = array_dir.joinpath("c", str(i), *zeros)
-        jobs.append(lambda p=path, c=chunk: _write_chunk(p, c, chunk_rows, direct))
-    return jobs
+    return [
+        lambda p=path, c=chunk: _write_chunk(p, c, chunk_rows, direct)
+        for path, chunk in _chunk_files(array_dir, data, chunk_rows)
+    ]
+
+
+def _chunk_files(
+    array_dir: pathlib.Path, array: np.ndarray, chunk_rows: int
+) -> list[tuple[pathlib.Path, np.ndarray]]:
+    """Each chunk file's path with the rows of ``array`` it holds (zarr v3 default keys)."""
+    zeros = ("0",) * (array.ndim - 1)
+    return [
+        (array_dir.joinpath("c", str(i), *zeros), array[start : start + chunk_rows])
+        for i, start in enumerate(range(0, array.shape[0], chunk_rows))
+    ]
 
 
 def _write_chunk(path: pathlib.Path, chunk: np.ndarray, chunk_rows: int, direct: bool) -> None:
@@ -150,17 +158,15 @@ def read_jobs(
     ``dest`` is C-contiguous with the array's shape. Each file must hold a full chunk (edge
     chunks are zero-extended); a missing or short file raises ``OSError`` naming it.
     """
-    zeros = ("0",) * (dest.ndim - 1)
     chunk_bytes = dest.nbytes // dest.shape[0] * chunk_rows
-    jobs = []
-    for i, start in enumerate(range(0, dest.shape[0], chunk_rows)):
-        part = memoryview(dest[start : start + chunk_rows].reshape(-1).view(np.uint8))
-        path = array_dir.joinpath("c", str(i), *zeros)
-        jobs.append(lambda p=path, b=part: _read_file(p, b, chunk_bytes))
-    return jobs
+    return [
+        lambda p=path, r=rows: _read_file(p, r, chunk_bytes)
+        for path, rows in _chunk_files(array_dir, dest, chunk_rows)
+    ]
 
 
-def _read_file(path: pathlib.Path, into: memoryview, size: int) -> None:
+def _read_file(path: pathlib.Path, rows: np.ndarray, size: int) -> None:
+    into = memoryview(rows.reshape(-1).view(np.uint8))
     with open(path, "rb", buffering=0) as f:
         stored = os.fstat(f.fileno()).st_size
         if stored != size:

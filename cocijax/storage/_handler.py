@@ -107,8 +107,8 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
           checksums: record xxh3_64 checksums at save and verify them at restore.
           direct_writes: write the chunk files of uncompressed pieces directly, with
             ``O_DIRECT`` where the file system allows it, instead of through TensorStore's
-            buffered writes (TensorStore still writes each piece's metadata and does all reads;
-            the files are the same).
+            buffered writes (TensorStore still writes each piece's metadata; the files are the
+            same).
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
 
