@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -123,6 +124,50 @@ def _target_spec(record: LeafRecord, target: Any, directory: pathlib.Path):
     return getattr(target, "sharding", None)
 
 
+def jax_can_hold(dtype: np.dtype) -> bool:
+    """Whether a ``jax.Array`` holds ``dtype`` as it is.
+
+    With ``jax_enable_x64`` off, JAX stores 64-bit types in 32 bits (int64 -> int32, float64 ->
+    float32, complex128 -> complex64): such a leaf must never be placed on a device silently.
+    """
+    return jax.dtypes.canonicalize_dtype(dtype) == dtype
+
+
+def _narrowing_error(record: LeafRecord, dtype: np.dtype, directory: pathlib.Path) -> ValueError:
+    narrowed = jax.dtypes.canonicalize_dtype(dtype)
+    return ValueError(
+        f"Leaf {record.path} in {directory}: the checkpoint holds {dtype.name}, but a jax.Array "
+        f"would narrow it to {narrowed.name} because jax_enable_x64 is off. Enable it "
+        "(jax.config.update('jax_enable_x64', True)), or restore this leaf without a sharding "
+        "(a numpy target, or a jax.ShapeDtypeStruct with sharding=None) to get a numpy array."
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal, counting NaN equal to NaN and telling bool from int (True is not 1 here)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def _exact_scalar(
+    record: LeafRecord, value: Any, dtype: np.dtype, directory: pathlib.Path
+) -> np.ndarray:
+    """``value`` (a saved Python scalar) as a 0-d array of ``dtype``; ValueError if inexact."""
+    try:
+        data = np.asarray(value, dtype=dtype)
+        exact = _same_value(type(value)(data.item()), value)
+    except (OverflowError, ValueError, TypeError):
+        exact = False
+    if not exact:
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the checkpoint holds the Python {record.kind} "
+            f"{value!r}, which the target's dtype {dtype.name} cannot hold exactly; use a "
+            "target of a wider dtype (or a Python scalar)."
+        )
+    return data
+
+
 # A region to restore: global start, stop, and the (piece, lo, hi) overlaps that fill it.
 _Request = tuple[tuple[int, ...], tuple[int, ...], list[tuple[PieceRecord, tuple, tuple]]]
 
@@ -197,10 +242,14 @@ def _plan_leaf(
                 f"Leaf {record.path} in {directory}: the target asks for shape "
                 f"{tuple(target.shape)}, but the checkpoint holds a Python {record.kind}."
             )
-        data = np.asarray(value, dtype=np.dtype(target.dtype))
+        data = _exact_scalar(record, value, np.dtype(target.dtype), directory)
         if isinstance(target, np.ndarray | np.generic):
             return _LeafPlan([], lambda _: data if isinstance(target, np.ndarray) else data[()])
         sharding = getattr(target, "sharding", None)
+        if not jax_can_hold(data.dtype):
+            if sharding is not None:
+                raise _narrowing_error(record, data.dtype, directory)
+            return _LeafPlan([], lambda _: data)
         return _LeafPlan([], lambda _: jax.device_put(data, sharding))
     whole = ((0,) * len(record.shape), record.shape)
     if target is _NO_TARGET or isinstance(target, np.ndarray | np.generic):
@@ -212,13 +261,31 @@ def _plan_leaf(
         )
         return _LeafPlan([full], lambda d: d[0][()] if scalar else d[0])
     if isinstance(target, bool | int | float):
-        return _LeafPlan([_request(reader, pieces, *whole)], lambda d: type(target)(d[0].item()))
+        kind = type(target)
+
+        def to_python(d: list[np.ndarray]) -> Any:
+            saved = d[0].item()
+            value = kind(saved)
+            if not _same_value(value, saved):
+                raise ValueError(
+                    f"Leaf {record.path} in {directory}: the target is a Python "
+                    f"{kind.__name__}, which cannot hold the saved {record.dtype} value {saved!r} "
+                    "exactly; use a target of the saved dtype."
+                )
+            return value
+
+        return _LeafPlan([_request(reader, pieces, *whole)], to_python)
     if not (hasattr(target, "shape") and hasattr(target, "dtype")):
         raise ValueError(
             f"Leaf {record.path}: unsupported restore target {type(target).__name__}; expected "
             "jax.ShapeDtypeStruct, jax.Array, numpy array/scalar or a Python scalar."
         )
     sharding = _target_spec(record, target, directory)
+    if not jax_can_hold(_tree.to_dtype(record.dtype)):
+        if sharding is not None:
+            raise _narrowing_error(record, _tree.to_dtype(record.dtype), directory)
+        # No placement asked for: a numpy array keeps every bit (as Orbax returns it).
+        return _LeafPlan([_request(reader, pieces, *whole)], lambda d: d[0])
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     boxes: dict[tuple, list[Any]] = {}
