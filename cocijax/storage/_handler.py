@@ -38,7 +38,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
-from orbax.checkpoint._src.handlers import async_checkpoint_handler, handler_type_registry
+from orbax.checkpoint._src.handlers import async_checkpoint_handler
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
@@ -68,14 +68,14 @@ class _Snapshot:
         return self.buffers[chunk.source][_layout.local_slices(start, stop, chunk.start)]
 
 
-@handler_type_registry.register_handler_type
 class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     """Saves a pytree of arrays as zarr v3 pieces striped over several storage roots.
 
     Use with ``ocp.Checkpointer``, ``ocp.AsyncCheckpointer`` or ``ocp.CheckpointManager`` (via a
-    handler registry), with :class:`StripedSave` / :class:`StripedRestore` args. The class is
-    registered by its ``typestr`` with Orbax, so an ``ocp.CheckpointManager`` opened without
-    handlers restores a striped item too (reading the roots recorded in its manifest).
+    handler registry), with :class:`StripedSave` / :class:`StripedRestore` args. Registering
+    those args also registers the class by its ``typestr`` with Orbax, so an
+    ``ocp.CheckpointManager`` opened without handlers restores a striped item too (reading the
+    roots recorded in its manifest).
 
     Example:
       >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])  # doctest: +SKIP
