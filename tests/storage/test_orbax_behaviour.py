@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.metadata import tree as tree_metadata
@@ -215,6 +216,26 @@ def test_typed_prng_key_targets_must_match(tmp_path):
         _restore(striped_dir, {"k": np.zeros(2, np.uint32), "x": np.ones(2, np.uint32)})
     with pytest.raises(ValueError, match=r"\['x'\].*asks for typed PRNG keys"):
         _restore(striped_dir, {"k": jax.random.key(1), "x": jax.random.split(jax.random.key(1))})
+
+
+def test_flax_nnx_rngs_state_round_trips(tmp_path):
+    """Flax NNX keeps its Rngs as typed keys: the model's state restores into nnx.eval_shape's."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.rngs = rngs
+
+    graphdef, state = nnx.split(Model(nnx.Rngs(0, dropout=1)))
+    _, striped_dir = _save_both(tmp_path, state)
+    abstract = nnx.eval_shape(lambda: nnx.split(Model(nnx.Rngs(5, dropout=6)))[1])
+    restored = _restore(striped_dir, abstract)
+    assert _describe(restored) == _describe(state)
+    model = nnx.merge(graphdef, restored)
+    expected = nnx.merge(graphdef, state).rngs.dropout()
+    np.testing.assert_array_equal(
+        jax.random.key_data(model.rngs.dropout()), jax.random.key_data(expected)
+    )
 
 
 # --------------------------------------------------------------------------- item 4: metadata
