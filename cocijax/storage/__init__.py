@@ -21,6 +21,7 @@ from cocijax.storage._manifest import (
     read_manifest,
     referenced_stripe_dirs,
 )
+from cocijax.storage._tree import UnsupportedLeafError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -34,6 +35,7 @@ __all__ = [
     "StripedCheckpointHandler",
     "StripedRestore",
     "StripedSave",
+    "UnsupportedLeafError",
     "checksum",
     "find_stripe_dirs",
     "read_manifest",

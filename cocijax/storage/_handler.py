@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import math
 import os
 import pathlib
@@ -38,6 +39,8 @@ from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from cocijax.storage import _direct, _io, _layout, _manifest, _restore, _tree
 from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
@@ -56,6 +59,7 @@ class _Snapshot:
     stripe: str  # name of this save's stripe directory on every root
     # Per piece name: chunk-file writes started while the rest of the tree was being copied.
     early: dict[str, list[concurrent.futures.Future]]
+    custom_metadata: Any = None  # StripedSave.custom_metadata, kept in the manifest
 
     def data(self, piece: _layout.Piece) -> np.ndarray:
         if piece.packed:
@@ -68,7 +72,10 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     """Saves a pytree of arrays as zarr v3 pieces striped over several storage roots.
 
     Use with ``ocp.Checkpointer``, ``ocp.AsyncCheckpointer`` or ``ocp.CheckpointManager`` (via a
-    handler registry), with :class:`StripedSave` / :class:`StripedRestore` args.
+    handler registry), with :class:`StripedSave` / :class:`StripedRestore` args. Registering
+    those args also registers the class by its ``typestr`` with Orbax, so an
+    ``ocp.CheckpointManager`` opened without handlers restores a striped item too (reading the
+    roots recorded in its manifest).
 
     Example:
       >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])  # doctest: +SKIP
@@ -76,7 +83,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
       ...     ckptr.save(tmp / "ckpt", args=StripedSave({"w": jnp.ones(4)}))
       ...     ckptr.wait_until_finished()
       ...     ckptr.restore(tmp / "ckpt", args=StripedRestore())
-      {'w': array([1., 1., 1., 1.], dtype=float32)}
+      {'w': Array([1., 1., 1., 1.], dtype=float32)}
     """
 
     def __init__(
@@ -192,34 +199,41 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     # ----------------------------------------------------------------------------- saving
 
     async def async_save(
-        self, directory: epath.Path, args: StripedSave
+        self, directory: epath.Path, args: StripedSave | None = None, *, item: Any = None
     ) -> list[future.Future] | None:
-        """Snapshots ``args.item`` to host memory and returns the commit future that writes it.
+        """Snapshots the item to host memory and returns the commit future that writes it.
 
         Args:
           directory: the item directory; it may not exist yet (Orbax creates it in the
             background and signals the commit future when it does).
-          args: :class:`StripedSave`.
+          args: :class:`StripedSave`. The older calling style of Orbax's handlers, the tree
+            itself (``save(directory, tree)`` or ``save(directory, item=tree)``), is accepted.
 
         Returns:
           One commit future; it writes the pieces, fsyncs them and writes this process's
           manifest part.
 
         Raises:
-          TypeError: a leaf type or dtype is unsupported (names the key path).
+          UnsupportedLeafError: a leaf type or dtype is unsupported (names the key path; a
+            ``ValueError`` and a ``TypeError``).
+          ValueError: no item, args of another handler, or ``custom_metadata`` not JSON.
         """
+        args = _save_args(args, item)
         snapshot = self._snapshot(args.item)
+        snapshot.custom_metadata = args.custom_metadata
         return [
             future.CommitFutureAwaitingContractedSignals(
                 self._commit(pathlib.Path(directory), snapshot), name="cocijax_striped_save"
             )
         ]
 
-    def save(self, directory: epath.Path, args: StripedSave) -> None:
+    def save(
+        self, directory: epath.Path, args: StripedSave | None = None, *, item: Any = None
+    ) -> None:
         """Saves synchronously (snapshot and commit); Orbax calls ``finalize`` afterwards."""
 
         async def run():
-            for f in await self.async_save(directory, args) or []:
+            for f in await self.async_save(directory, args, item=item) or []:
                 f.result()
 
         asyncio_utils.run_sync(run())
@@ -238,17 +252,29 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
                 value = _tree.empty_tag(leaf) if kind == _tree.EMPTY_KIND else leaf
                 leaves.append(LeafRecord(name, keys, kind, None, (), value=value))
                 continue
+            sharding = key_impl = None
+            if kind in ("jax", _tree.KEY_KIND):
+                sharding = _sharding_json(leaf.sharding)
+            if kind == _tree.KEY_KIND:
+                # The key data (uint32, the keys' shape + the impl's key shape) is what is
+                # stored, sharded as the keys are; the implementation rebuilds the keys.
+                key_impl = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in leaf.shape)
-            leaves.append(LeafRecord(name, keys, kind, dtype.name, shape))
-            if kind == "jax" and len(leaf.sharding.device_set) == 1:
+            leaves.append(
+                LeafRecord(
+                    name, keys, kind, dtype.name, shape, sharding=sharding, key_impl=key_impl
+                )
+            )
+            if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) == 1:
                 # Single-device array (the common case): skip building shard objects.
                 if leaf.is_fully_addressable:
                     chunks.append(
                         _layout.Chunk(index, (0,) * len(shape), shape, dtype, len(sources))
                     )
                     sources.append(leaf)
-            elif kind == "jax":
+            elif isinstance(leaf, jax.Array):
                 for shard in leaf.addressable_shards:
                     if shard.replica_id != 0:
                         continue
@@ -380,6 +406,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             roots=tuple(None if r is None else str(r) for r in self._roots),
             leaves=tuple(snapshot.leaves),
             pieces=tuple(records),
+            custom_metadata=snapshot.custom_metadata,
         )
         # The part is the last thing written: it only names pieces that are already durable.
         _manifest.write_json_durably(
@@ -405,40 +432,57 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
     # ---------------------------------------------------------------------------- restoring
 
-    def restore(self, directory: epath.Path, args: StripedRestore | None = None) -> Any:
+    def restore(
+        self, directory: epath.Path, args: StripedRestore | None = None, *, item: Any = None
+    ) -> Any:
         """Restores the tree saved in ``directory``.
 
         Args:
           directory: the item directory.
-          args: :class:`StripedRestore`. Its ``item`` is a target tree whose leaves are
-            ``jax.ShapeDtypeStruct`` (with a sharding, or on the default device), ``jax.Array``
-            (its sharding is reused), numpy arrays or scalars (restored as numpy), or Python
-            scalars; ``None`` restores nested dicts/lists of numpy arrays. Its ``roots`` reads
-            stripes that were moved since the save.
+          args: :class:`StripedRestore`; None restores as saved. Its ``item`` is a target tree
+            (see :class:`StripedRestore`); its ``roots`` reads stripes that were moved since
+            the save. The older calling style, the target itself (``restore(directory,
+            target)`` or ``restore(directory, item=target)``), is accepted.
 
         Returns:
-          The restored tree, with the target's structure when a target is given.
+          The restored tree, with the target's structure when a target is given; without one,
+          nested dicts and lists (see :class:`StripedRestore`).
 
         Raises:
           CheckpointFormatError: the manifest is missing or invalid.
           ValueError: the target's structure, shapes or dtypes differ from the saved tree
-            (names the leaf), or ``roots`` has the wrong length.
+            (names the leaf), a 64-bit leaf would be narrowed on the sharding the target asks
+            for (``jax_enable_x64`` off), ``roots`` has the wrong length, or ``args`` belong
+            to another handler.
           CorruptCheckpointError: a piece is missing, truncated or fails its checksum (names
             the leaf and the file).
         """
+        args = _restore_args(args, item)
         return _restore.restore_tree(
             pathlib.Path(directory),
-            None if args is None else args.item,
+            args.item,
             self._context,
             self._pool,
             verify=self._checksums,
             io_pool=self._io_pool,
-            roots=None if args is None else args.roots,
+            roots=args.roots,
         )
 
-    def metadata(self, directory: epath.Path) -> Manifest:
-        """The item's :class:`Manifest` (tree, dtypes, shapes, pieces), read without data."""
-        return _manifest.read_manifest(directory)
+    def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
+        """The saved tree as Orbax's tree metadata, read from the manifest without data.
+
+        What ``ocp.StandardCheckpointHandler.metadata`` returns, so that
+        ``mngr.item_metadata(step)`` and ``mngr.metadata(step).item_metadata.tree`` work in an
+        ``ocp.CheckpointManager``: the tree a restore without a target returns, with
+        ``ocp.metadata.ArrayMetadata`` (shape, dtype, saved sharding), ``ScalarMetadata`` and
+        ``StringMetadata`` leaves, and ``custom_metadata``. It is a valid restore target
+        (restoring as saved). The cocijax manifest (pieces, roots, checksums) is
+        :func:`cocijax.storage.read_manifest`.
+
+        Raises:
+          CheckpointFormatError: the manifest is missing or invalid.
+        """
+        return _restore.tree_metadata_of(pathlib.Path(directory))
 
     def close(self) -> None:
         """Stops the handler's copy/checksum threads (they restart if the handler is reused)."""
@@ -446,6 +490,49 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._executor = self._io_executor = None
+
+
+def _save_args(args: Any, item: Any) -> StripedSave:
+    """:class:`StripedSave` from either calling style."""
+    if isinstance(args, StripedSave) and item is None:
+        save = args
+    elif isinstance(args, checkpoint_args.CheckpointArgs):
+        raise ValueError(
+            f"StripedCheckpointHandler saves with cocijax.StripedSave args, got "
+            f"{type(args).__name__}; write args=cocijax.StripedSave(tree)."
+        )
+    elif args is not None and item is not None:
+        raise ValueError("save: pass the tree once, as args=StripedSave(tree) or as item=.")
+    elif args is None and item is None:
+        raise ValueError("save: nothing to save; pass args=cocijax.StripedSave(tree).")
+    else:
+        save = StripedSave(item if args is None else args)
+    try:
+        json.dumps(save.custom_metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"StripedSave.custom_metadata must be JSON-serialisable: {e}.") from e
+    return save
+
+
+def _restore_args(args: Any, item: Any) -> StripedRestore:
+    """:class:`StripedRestore` from either calling style."""
+    if isinstance(args, StripedRestore) and item is None:
+        return args
+    if isinstance(args, checkpoint_args.CheckpointArgs):
+        raise ValueError(
+            f"StripedCheckpointHandler restores with cocijax.StripedRestore args, got "
+            f"{type(args).__name__}; write args=cocijax.StripedRestore(target)."
+        )
+    if args is not None and item is not None:
+        raise ValueError("restore: pass the target once, as args=StripedRestore(target) or item=.")
+    return StripedRestore(item if args is None else args)
+
+
+def _sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any] | None:
+    """``sharding`` as Orbax's sharding metadata JSON; None for types Orbax cannot describe."""
+    if not isinstance(sharding, jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding):
+        return None
+    return json.loads(sharding_metadata.from_jax_sharding(sharding).to_serialized_string())
 
 
 def _check_writable(path: pathlib.Path, name: str) -> None:
@@ -493,11 +580,15 @@ class StripedSave(checkpoint_args.CheckpointArgs):
     """Save args for :class:`StripedCheckpointHandler`.
 
     Attributes:
-      item: the pytree to save (jax/numpy arrays, numpy and Python scalars; optax and Flax
-        states included).
+      item: the pytree to save: jax arrays (typed PRNG keys included), numpy arrays and
+        scalars, Python scalars and strings, None and empty nodes (optax and Flax states
+        included).
+      custom_metadata: a JSON-serialisable value kept in the manifest and returned as
+        ``metadata(directory).custom_metadata`` (as ``ocp.args.StandardSave`` has it).
     """
 
     item: Any
+    custom_metadata: Any = None
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_restore=True)
@@ -506,8 +597,16 @@ class StripedRestore(checkpoint_args.CheckpointArgs):
     """Restore args for :class:`StripedCheckpointHandler`.
 
     Attributes:
-      item: target tree (``jax.ShapeDtypeStruct`` with shardings, arrays, or scalars), or
-        ``None`` for nested dicts/lists of numpy arrays.
+      item: the target tree, or ``None`` to restore as saved. Without a target, saved
+        ``jax.Array`` leaves come back as ``jax.Array`` on their saved sharding (on the default
+        device when this job lacks those devices; as numpy when ``jax_enable_x64`` is off and
+        the dtype is 64-bit), numpy leaves as numpy, Python scalars and strings as themselves,
+        in nested dicts and lists (tuples too, except an empty one), empty nodes as Orbax
+        returns them. Target leaves: ``jax.ShapeDtypeStruct`` or ``jax.Array`` (placed on its
+        sharding; without one, as saved), numpy arrays or scalars (numpy), Python scalars and
+        strings, ``ocp.PLACEHOLDER`` (leaf not read, returned as the placeholder),
+        ``optax.MaskedNode`` (not read), or what :meth:`StripedCheckpointHandler.metadata`
+        returns (as saved).
       roots: where the stripes are now, one directory per root recorded at save time (in the
         same order), when they were moved; ``None`` reads the recorded roots.
     """

@@ -64,12 +64,20 @@ class LeafRecord:
     Attributes:
       path: ``jax.tree_util.keystr`` of the leaf's key path.
       keys: the key path as ``(kind, key)`` pairs, enough to rebuild nested dicts/lists.
-      kind: ``"jax"``, ``"numpy"``, ``"np_scalar"``, ``"bool"``, ``"int"``, ``"float"`` or
-        ``"empty"`` (None or an empty container).
-      dtype: numpy dtype name for array kinds, ``None`` for Python scalars.
-      shape: global shape (``()`` for scalars).
-      value: the value itself for Python scalars (stored inline), ``"none"``, ``"dict"`` or
-        ``"list"`` for empty leaves, else ``None``.
+      kind: ``"jax"``, ``"numpy"``, ``"np_scalar"``, ``"prng_key"`` (a typed PRNG key array),
+        ``"bool"``, ``"int"``, ``"float"``, ``"str"`` or ``"empty"`` (None or an empty node).
+      dtype: numpy dtype name for array kinds (for ``"prng_key"``, of the key data: uint32),
+        ``None`` for Python scalars and strings.
+      shape: global shape (``()`` for scalars); for ``"prng_key"``, of the key data (the key
+        array's shape followed by the implementation's key shape).
+      value: the value itself for Python scalars and strings (stored inline); for empty
+        leaves what they were (``"none"``, ``"dict"``, ``"list"``, ``"tuple"``,
+        ``"namedtuple"``, ``"masked"`` or ``"node"``); else ``None``.
+      sharding: the ``jax.Array``'s sharding at save time, as Orbax's sharding metadata JSON
+        (``NamedSharding`` and ``SingleDeviceSharding``); ``None`` for other leaves, other
+        sharding types, and manifests written before this field existed.
+      key_impl: for ``"prng_key"``, the PRNG implementation (``"threefry2x32"``, ``"rbg"``,
+        ``"unsafe_rbg"``).
     """
 
     path: str
@@ -78,6 +86,8 @@ class LeafRecord:
     dtype: str | None
     shape: tuple[int, ...]
     value: Any = None
+    sharding: dict[str, Any] | None = None
+    key_impl: str | None = None
 
     @property
     def size(self) -> int:
@@ -125,6 +135,7 @@ class Manifest:
       roots: absolute root directories; ``None`` stands for the item directory itself.
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.
+      custom_metadata: the JSON value given as ``StripedSave(custom_metadata=...)``, or None.
     """
 
     version: int
@@ -132,6 +143,7 @@ class Manifest:
     roots: tuple[str | None, ...]
     leaves: tuple[LeafRecord, ...]
     pieces: tuple[PieceRecord, ...]
+    custom_metadata: Any = None
 
     def root_dir(self, index: int, item_dir: os.PathLike | str) -> pathlib.Path:
         root = self.roots[index]
@@ -160,22 +172,12 @@ class Manifest:
         return dataclasses.replace(self, roots=moved)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": FORMAT,
             "version": self.version,
             "checksum": self.checksum,
             "roots": list(self.roots),
-            "leaves": [
-                {
-                    "path": leaf.path,
-                    "keys": [list(k) for k in leaf.keys],
-                    "kind": leaf.kind,
-                    "dtype": leaf.dtype,
-                    "shape": list(leaf.shape),
-                    "value": leaf.value,
-                }
-                for leaf in self.leaves
-            ],
+            "leaves": [_leaf_json(leaf) for leaf in self.leaves],
             "pieces": [
                 {
                     "leaf": p.leaf,
@@ -190,6 +192,9 @@ class Manifest:
                 for p in self.pieces
             ],
         }
+        if self.custom_metadata is not None:
+            data["custom_metadata"] = self.custom_metadata
+        return data
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<manifest>") -> Manifest:
@@ -212,6 +217,9 @@ class Manifest:
                     dtype=d["dtype"],
                     shape=tuple(d["shape"]),
                     value=d.get("value"),
+                    # Optional fields: manifests written before they existed lack them.
+                    sharding=d.get("sharding"),
+                    key_impl=d.get("key_impl"),
                 )
                 for d in data["leaves"]
             )
@@ -234,9 +242,27 @@ class Manifest:
                 roots=tuple(data["roots"]),
                 leaves=leaves,
                 pieces=pieces,
+                custom_metadata=data.get("custom_metadata"),
             )
         except (KeyError, TypeError, IndexError) as e:
             raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
+
+
+def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
+    data = {
+        "path": leaf.path,
+        "keys": [list(k) for k in leaf.keys],
+        "kind": leaf.kind,
+        "dtype": leaf.dtype,
+        "shape": list(leaf.shape),
+        "value": leaf.value,
+    }
+    # Written only when set, so a manifest without them reads the same in any version.
+    if leaf.sharding is not None:
+        data["sharding"] = leaf.sharding
+    if leaf.key_impl is not None:
+        data["key_impl"] = leaf.key_impl
+    return data
 
 
 def fsync_dir(path: os.PathLike | str) -> None:
@@ -336,6 +362,7 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         roots=tuple(roots),
         leaves=first.leaves,
         pieces=tuple(pieces),
+        custom_metadata=first.custom_metadata,
     )
     _check_coverage(merged, item_dir)
     write_json_durably(item_dir / MANIFEST_NAME, merged.to_json())

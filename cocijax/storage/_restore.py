@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -17,8 +18,13 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 import tensorstore as ts
+from orbax.checkpoint import metadata as ocp_metadata
 from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+from orbax.checkpoint._src.metadata import tree as tree_metadata
+from orbax.checkpoint._src.serialization import type_handlers
 
 from cocijax.storage import _io, _layout, _manifest, _tree
 from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
@@ -44,13 +50,15 @@ def restore_tree(
       CorruptCheckpointError: a piece is missing or corrupt (names the leaf and the file).
     """
     manifest = _manifest.read_manifest(directory).with_roots(roots)
+    if isinstance(target, tree_metadata.TreeMetadata):
+        target = target.tree  # what ``metadata()`` returned: restore as saved
+    places = _Placements()
     if target is None:
         targets: list[Any] = [_NO_TARGET] * len(manifest.leaves)
-        treedef = None
+        treedef = order = None
     else:
         flat, treedef = _tree.flatten(target)
-        _check_structure(manifest, [jax.tree_util.keystr(p) for p, _ in flat], directory)
-        targets = [leaf for _, leaf in flat]
+        targets, order = _match(manifest, flat, directory)
     reader = _io.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
@@ -58,7 +66,7 @@ def restore_tree(
     # Plan every leaf first: bad targets fail before any I/O, and the reader learns how
     # often each file is needed so it can free it after its last use.
     plans = [
-        _plan_leaf(reader, rec, t, by_leaf[i], directory)
+        _plan_leaf(reader, rec, t, by_leaf[i], directory, places)
         for i, (rec, t) in enumerate(zip(manifest.leaves, targets, strict=True))
     ]
     # One flat batch of region reads over all leaves (few asyncio tasks per leaf), then
@@ -92,24 +100,87 @@ def restore_tree(
     ]
     if treedef is None:
         return _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
-    return jax.tree_util.tree_unflatten(treedef, values)
+    return jax.tree_util.tree_unflatten(
+        treedef, [values[o] if isinstance(o, int) else o.value for o in order]
+    )
 
 
 # Leaf target of a restore without a target tree (``None`` is a leaf value of its own).
 _NO_TARGET = object()
+# A saved leaf no target leaf has claimed (yet).
+_UNMATCHED = object()
 
 
-def _check_structure(manifest: Manifest, paths: list[str], directory: pathlib.Path) -> None:
-    saved = [leaf.path for leaf in manifest.leaves]
-    if saved == paths:
-        return
-    missing = sorted(set(saved) - set(paths))
-    extra = sorted(set(paths) - set(saved))
-    raise ValueError(
-        f"The restore target's tree differs from the one saved in {directory}: leaves saved "
-        f"but not in the target: {', '.join(missing) or 'none'}; in the target but not saved: "
-        f"{', '.join(extra) or 'none'}" + ("" if missing or extra else "; leaf order differs") + "."
-    )
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A target leaf returned as it is: an empty node that older manifests did not record."""
+
+    value: Any
+
+
+def _match(
+    manifest: Manifest, flat: list[tuple[Any, Any]], directory: pathlib.Path
+) -> tuple[list[Any], list[int | _Kept]]:
+    """Pairs the target's leaves with the saved ones by key path (dict keys and attributes alike).
+
+    Returns:
+      Per saved leaf, its target leaf; per target leaf in flattening order, the index of its
+      saved leaf (or a :class:`_Kept`).
+
+    Raises:
+      ValueError: a saved leaf is missing from the target, or the target has a leaf that was
+        not saved (both lists are named).
+    """
+    index: dict[tuple[Any, ...], int] = {}
+    for i, leaf in enumerate(manifest.leaves):
+        index.setdefault(_tree.plain_path(leaf.keys), i)
+    targets: list[Any] = [_UNMATCHED] * len(manifest.leaves)
+    order: list[int | _Kept] = []
+    extra = []
+    for path, leaf in flat:
+        i = index.get(_tree.plain_path(_tree.encode_keys(path)))
+        if i is not None and targets[i] is _UNMATCHED:
+            targets[i] = leaf
+            order.append(i)
+        elif _tree.is_empty(leaf) and not isinstance(leaf, dict | list | tuple | type(None)):
+            # A field-less dataclass: manifests written before cocijax recorded these lack it.
+            order.append(_Kept(leaf))
+        else:
+            extra.append(jax.tree_util.keystr(path))
+    missing = [
+        leaf.path for leaf, t in zip(manifest.leaves, targets, strict=True) if t is _UNMATCHED
+    ]
+    if missing or extra:
+        raise ValueError(
+            f"User-provided restore item and on-disk value in {directory} differ: leaves saved "
+            f"but not in the target: {', '.join(missing) or 'none'}; in the target but not "
+            f"saved: {', '.join(extra) or 'none'}."
+        )
+    return targets, order
+
+
+class _Placements:
+    """Where leaves go when the target does not say: their saved sharding, else one device."""
+
+    def __init__(self):
+        self._saved: dict[str, jax.sharding.Sharding | None] = {}
+
+    def saved(self, record: LeafRecord) -> jax.sharding.Sharding | None:
+        """The sharding ``record`` was saved with, if this process's devices can rebuild it."""
+        if record.sharding is None:
+            return None
+        key = json.dumps(record.sharding, sort_keys=True)
+        if key not in self._saved:
+            try:
+                meta = sharding_metadata.from_serialized_string(json.dumps(record.sharding))
+                self._saved[key] = meta.to_jax_sharding()
+            except (ValueError, KeyError, TypeError, NotImplementedError):
+                self._saved[key] = None  # saved on devices this job does not have
+        return self._saved[key]
+
+    def saved_or_default(self, record: LeafRecord) -> jax.sharding.Sharding:
+        """:meth:`saved`, or the default device when that sharding cannot be rebuilt here."""
+        return self.saved(record) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _target_spec(record: LeafRecord, target: Any, directory: pathlib.Path):
@@ -220,46 +291,53 @@ def _plan_leaf(
     target: Any,
     pieces: list[PieceRecord],
     directory: pathlib.Path,
+    places: _Placements,
 ) -> _LeafPlan:
     """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
-    if target is _NO_TARGET and record.kind == _tree.EMPTY_KIND:
-        return _LeafPlan([], lambda _: _tree.rebuild_empty(record.value))
-    if (record.kind == _tree.EMPTY_KIND) != _tree.is_empty(target):
-        held = "None or an empty container" if record.kind == _tree.EMPTY_KIND else "a value"
+    if target is type_handlers.PLACEHOLDER:
+        return _LeafPlan([], lambda _: type_handlers.PLACEHOLDER)  # not asked for: not read
+    if isinstance(target, ocp_metadata.Metadata):
+        target = _from_metadata(record, target, directory)
+    if record.kind == _tree.EMPTY_KIND:
+        return _plan_empty(record, target, directory)
+    if _tree.is_empty(target):
+        if isinstance(target, optax.MaskedNode):
+            return _LeafPlan([], lambda _: target)  # masked out in the target: not restored
         raise ValueError(
-            f"Leaf {record.path} in {directory}: the checkpoint holds {held}, but the target "
+            f"Leaf {record.path} in {directory}: the checkpoint holds a value, but the target "
             f"holds {type(target).__name__}."
         )
-    if record.kind == _tree.EMPTY_KIND:
-        return _LeafPlan([], lambda _: target)  # the target's own (empty) object
-    if record.kind in _tree.SCALAR_KINDS:
-        value = {"bool": bool, "int": int, "float": float}[record.kind](record.value)
-        if target is _NO_TARGET or isinstance(target, bool | int | float):
-            return _LeafPlan([], lambda _: value)
-        # A saved Python scalar restores into a 0-d array target (e.g. from jax.eval_shape).
-        if tuple(target.shape) != ():
+    if record.kind == _tree.STR_KIND:
+        if target is not _NO_TARGET and not isinstance(target, str):
             raise ValueError(
-                f"Leaf {record.path} in {directory}: the target asks for shape "
-                f"{tuple(target.shape)}, but the checkpoint holds a Python {record.kind}."
+                f"Leaf {record.path} in {directory}: the checkpoint holds a string, but the "
+                f"target holds {type(target).__name__}."
             )
-        data = _exact_scalar(record, value, np.dtype(target.dtype), directory)
-        if isinstance(target, np.ndarray | np.generic):
-            return _LeafPlan([], lambda _: data if isinstance(target, np.ndarray) else data[()])
-        sharding = getattr(target, "sharding", None)
-        if not jax_can_hold(data.dtype):
-            if sharding is not None:
-                raise _narrowing_error(record, data.dtype, directory)
-            return _LeafPlan([], lambda _: data)
-        return _LeafPlan([], lambda _: jax.device_put(data, sharding))
-    whole = ((0,) * len(record.shape), record.shape)
-    if target is _NO_TARGET or isinstance(target, np.ndarray | np.generic):
-        if target is not _NO_TARGET:
-            _target_spec(record, target, directory)
-        full = _request(reader, pieces, *whole)
-        scalar = (
-            record.kind == "np_scalar" if target is _NO_TARGET else isinstance(target, np.generic)
+        return _LeafPlan([], lambda _: record.value)
+    if isinstance(target, str):
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the target holds a string, but the checkpoint "
+            f"holds {record.kind}."
         )
-        return _LeafPlan([full], lambda d: d[0][()] if scalar else d[0])
+    if record.kind == _tree.KEY_KIND:
+        return _plan_key(reader, record, target, pieces, directory, places)
+    if _tree.is_typed_key(target):
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the target asks for typed PRNG keys "
+            f"({target.dtype}), but the checkpoint holds {record.kind} {record.dtype or ''}."
+        )
+    if record.kind in _tree.SCALAR_KINDS:
+        return _plan_scalar(record, target, directory)
+    whole = ((0,) * len(record.shape), record.shape)
+    if target is _NO_TARGET:
+        if record.kind == "jax":  # back where it was saved, as Orbax restores it
+            return _plan_device(reader, record, pieces, places.saved_or_default(record), False)
+        full = _request(reader, pieces, *whole)
+        return _LeafPlan([full], lambda d: d[0][()] if record.kind == "np_scalar" else d[0])
+    if isinstance(target, np.ndarray | np.generic):
+        _target_spec(record, target, directory)
+        full = _request(reader, pieces, *whole)
+        return _LeafPlan([full], lambda d: d[0][()] if isinstance(target, np.generic) else d[0])
     if isinstance(target, bool | int | float):
         kind = type(target)
 
@@ -275,19 +353,107 @@ def _plan_leaf(
             return value
 
         return _LeafPlan([_request(reader, pieces, *whole)], to_python)
+    _check_array_target(record, target, directory)
+    sharding = _target_spec(record, target, directory)
+    if sharding is not None:
+        return _plan_device(reader, record, pieces, sharding, True, directory)
+    # No sharding asked for: the leaf goes back as saved (as Orbax's StandardCheckpointHandler
+    # does): a jax.Array on its saved sharding (or the default device), a numpy array as numpy.
+    if record.kind == "jax":
+        return _plan_device(reader, record, pieces, places.saved_or_default(record), False)
+    return _LeafPlan([_request(reader, pieces, *whole)], lambda d: d[0])
+
+
+def _check_array_target(record: LeafRecord, target: Any, directory: pathlib.Path) -> None:
     if not (hasattr(target, "shape") and hasattr(target, "dtype")):
         raise ValueError(
-            f"Leaf {record.path}: unsupported restore target {type(target).__name__}; expected "
-            "jax.ShapeDtypeStruct, jax.Array, numpy array/scalar or a Python scalar."
+            f"Leaf {record.path} in {directory}: unsupported restore target "
+            f"{type(target).__name__}; expected jax.ShapeDtypeStruct, jax.Array, numpy "
+            "array/scalar, a Python scalar or string, ocp.PLACEHOLDER or Orbax metadata."
         )
-    sharding = _target_spec(record, target, directory)
-    if not jax_can_hold(_tree.to_dtype(record.dtype)):
+
+
+def _from_metadata(record: LeafRecord, target: Any, directory: pathlib.Path) -> Any:
+    """A leaf of Orbax metadata (what ``metadata()`` returns) as a target: restore as saved."""
+    if isinstance(target, ocp_metadata.ArrayMetadata) and not isinstance(
+        target, ocp_metadata.ScalarMetadata
+    ):
+        shape, dtype = _logical(record)
+        if tuple(target.shape) != shape or str(target.dtype) != str(dtype):
+            raise ValueError(
+                f"Leaf {record.path} in {directory}: the target's metadata describes shape "
+                f"{tuple(target.shape)} dtype {target.dtype}, but the checkpoint holds shape "
+                f"{shape} dtype {dtype}."
+            )
+    return _NO_TARGET
+
+
+def _logical(record: LeafRecord) -> tuple[tuple[int, ...], Any]:
+    """The shape and dtype a leaf has as a value (a key array's, not its key data's)."""
+    if record.kind == _tree.KEY_KIND:
+        key_dtype, key_shape = _tree.key_layout(record.key_impl)
+        return record.shape[: len(record.shape) - len(key_shape)], key_dtype
+    if record.dtype is None:
+        return (), None
+    return record.shape, _tree.to_dtype(record.dtype)
+
+
+def _plan_empty(record: LeafRecord, target: Any, directory: pathlib.Path) -> _LeafPlan:
+    if target is _NO_TARGET:
+        return _LeafPlan([], lambda _: _tree.rebuild_empty(record.value))
+    if _tree.is_empty(target):
+        return _LeafPlan([], lambda _: target)  # the target's own (empty) object
+    if record.value == "masked":
+        # A masked optimizer state restored with an unmasked target: the leaf has no value.
+        return _LeafPlan([], lambda _: None)
+    raise ValueError(
+        f"Leaf {record.path} in {directory}: the checkpoint holds None or an empty node, but "
+        f"the target holds {type(target).__name__}."
+    )
+
+
+def _plan_scalar(record: LeafRecord, target: Any, directory: pathlib.Path) -> _LeafPlan:
+    """A saved Python scalar: as it is, or into a 0-d array target that holds it exactly."""
+    value = {"bool": bool, "int": int, "float": float}[record.kind](record.value)
+    if target is _NO_TARGET or isinstance(target, bool | int | float):
+        return _LeafPlan([], lambda _: value)
+    _check_array_target(record, target, directory)
+    # A saved Python scalar restores into a 0-d array target (e.g. from jax.eval_shape).
+    if tuple(target.shape) != ():
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the target asks for shape "
+            f"{tuple(target.shape)}, but the checkpoint holds a Python {record.kind}."
+        )
+    data = _exact_scalar(record, value, np.dtype(target.dtype), directory)
+    if isinstance(target, np.ndarray | np.generic):
+        return _LeafPlan([], lambda _: data if isinstance(target, np.ndarray) else data[()])
+    sharding = getattr(target, "sharding", None)
+    if not jax_can_hold(data.dtype):
         if sharding is not None:
-            raise _narrowing_error(record, _tree.to_dtype(record.dtype), directory)
-        # No placement asked for: a numpy array keeps every bit (as Orbax returns it).
+            raise _narrowing_error(record, data.dtype, directory)
+        return _LeafPlan([], lambda _: data)
+    return _LeafPlan([], lambda _: jax.device_put(data, sharding))
+
+
+def _plan_device(
+    reader: _io.PieceReader,
+    record: LeafRecord,
+    pieces: list[PieceRecord],
+    sharding: jax.sharding.Sharding,
+    asked: bool,
+    directory: pathlib.Path | None = None,
+) -> _LeafPlan:
+    """A jax.Array on ``sharding``, one region read per distinct device region.
+
+    A dtype that JAX would narrow (x64 off) raises when the target ``asked`` for the sharding
+    and otherwise comes back as a numpy array that keeps every bit (as Orbax returns it).
+    """
+    dtype = _tree.to_dtype(record.dtype)
+    if not jax_can_hold(dtype):
+        if asked:
+            raise _narrowing_error(record, dtype, directory)
+        whole = ((0,) * len(record.shape), record.shape)
         return _LeafPlan([_request(reader, pieces, *whole)], lambda d: d[0])
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     boxes: dict[tuple, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(record.shape).items():
         boxes.setdefault(_layout.box(index, record.shape), []).append(device)
@@ -297,3 +463,89 @@ def _plan_leaf(
         return jax.make_array_from_single_device_arrays(record.shape, sharding, arrays)
 
     return _LeafPlan(requests, finish, devices=list(boxes.values()))
+
+
+def _plan_key(
+    reader: _io.PieceReader,
+    record: LeafRecord,
+    target: Any,
+    pieces: list[PieceRecord],
+    directory: pathlib.Path,
+    places: _Placements,
+) -> _LeafPlan:
+    """Typed PRNG keys: their key data is read, then wrapped with the saved implementation."""
+    shape, key_dtype = _logical(record)
+    if target is _NO_TARGET:
+        sharding = places.saved_or_default(record)
+    elif _tree.is_typed_key(target) and hasattr(target, "shape"):
+        if tuple(target.shape) != shape or str(target.dtype) != str(key_dtype):
+            raise ValueError(
+                f"Leaf {record.path} in {directory}: the target asks for shape "
+                f"{tuple(target.shape)} dtype {target.dtype}, but the checkpoint holds typed "
+                f"PRNG keys of shape {shape} dtype {key_dtype}."
+            )
+        sharding = getattr(target, "sharding", None) or places.saved_or_default(record)
+    else:
+        raise ValueError(
+            f"Leaf {record.path} in {directory}: the checkpoint holds typed PRNG keys (shape "
+            f"{shape}, dtype {key_dtype}); the target must be a jax.ShapeDtypeStruct or "
+            f"jax.Array of that dtype, got {type(target).__name__} "
+            f"{getattr(target, 'dtype', '')}."
+        )
+    data_sharding = _key_data_sharding(sharding, len(record.shape) - len(shape))
+    if data_sharding is not None:
+        plan = _plan_device(reader, record, pieces, data_sharding, True, directory)
+        wrap = plan.finish
+        plan.finish = lambda arrays: jax.random.wrap_key_data(wrap(arrays), impl=record.key_impl)
+        return plan
+    # Another sharding type: wrap on the default device, then move (keys are small).
+    whole = ((0,) * len(record.shape), record.shape)
+
+    def finish(d: list[np.ndarray]) -> jax.Array:
+        return jax.device_put(jax.random.wrap_key_data(d[0], impl=record.key_impl), sharding)
+
+    return _LeafPlan([_request(reader, pieces, *whole)], finish)
+
+
+def _key_data_sharding(
+    sharding: jax.sharding.Sharding, extra_dims: int
+) -> jax.sharding.Sharding | None:
+    """The sharding of a key array's data: the keys' own, its key dimensions not split."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = jax.sharding.PartitionSpec(*sharding.spec, *([None] * extra_dims))
+        return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    return None
+
+
+def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
+    """The saved tree as Orbax's ``TreeMetadata`` (see ``StripedCheckpointHandler.metadata``).
+
+    Its tree is the one a restore without a target returns, with Orbax's value metadata in place
+    of the values: ``ArrayMetadata`` (a key array's shape and key dtype for PRNG keys; the saved
+    sharding as Orbax's sharding metadata), ``ScalarMetadata`` and ``StringMetadata``.
+    """
+    manifest = _manifest.read_manifest(directory)
+    values = []
+    for record in manifest.leaves:
+        name = ".".join(str(k) for _, k in record.keys)
+        if record.kind == _tree.EMPTY_KIND:
+            values.append(_tree.rebuild_empty(record.value))
+        elif record.kind == _tree.STR_KIND:
+            values.append(ocp_metadata.StringMetadata(name=name, directory=directory))
+        elif record.kind in _tree.SCALAR_KINDS:
+            dtype = np.dtype({"bool": np.bool_, "int": np.int64, "float": np.float64}[record.kind])
+            values.append(ocp_metadata.ScalarMetadata(name=name, directory=directory, dtype=dtype))
+        else:
+            shape, dtype = _logical(record)
+            sharding = None
+            if record.sharding is not None:
+                sharding = sharding_metadata.from_serialized_string(json.dumps(record.sharding))
+            values.append(
+                ocp_metadata.ArrayMetadata(
+                    name=name, directory=directory, shape=shape, sharding=sharding, dtype=dtype
+                )
+            )
+    tree = _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
+    return tree_metadata.build_default_tree_metadata(tree, custom_metadata=manifest.custom_metadata)

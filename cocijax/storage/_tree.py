@@ -3,17 +3,22 @@
 The manifest stores key paths as ``(kind, key)`` pairs rather than a pickled treedef, so a
 checkpoint is readable without the code that defined the tree's classes. With a target tree the
 structure comes from the target (namedtuples, Flax structs round-trip exactly); without one,
-nested dicts and lists are rebuilt from the key paths. Empty containers and ``None`` are
-recorded as leaves of kind ``"empty"``, so that they survive a restore without a target too.
+nested dicts and lists are rebuilt from the key paths. ``None`` and empty nodes (empty
+containers, field-less dataclasses, ``optax.EmptyState``, ``optax.MaskedNode``) are recorded as
+leaves of kind ``"empty"``, so that they survive a restore without a target too; they then come
+back as Orbax's ``StandardCheckpointHandler`` returns them (see :func:`rebuild_empty`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+import optax
 
 # dtypes the TensorStore zarr3 driver stores (int4 is left out: numpy packs it oddly).
 SUPPORTED_DTYPES = frozenset(
@@ -25,12 +30,33 @@ SUPPORTED_DTYPES = frozenset(
 )  # fmt: skip
 
 SCALAR_KINDS = ("bool", "int", "float")
+STR_KIND = "str"
 EMPTY_KIND = "empty"
+# A typed PRNG key array (``jax.random.key``): its key data is stored, its impl recorded.
+KEY_KIND = "prng_key"
 # Kinds stored in the manifest itself: they have no pieces.
-INLINE_KINDS = (*SCALAR_KINDS, EMPTY_KIND)
-# What an "empty" leaf held, and how to rebuild it without a target (a tuple becomes a list, as
-# every sequence does).
-_EMPTY_VALUES = {"none": lambda: None, "dict": dict, "list": list}
+INLINE_KINDS = (*SCALAR_KINDS, STR_KIND, EMPTY_KIND)
+# What an "empty" leaf held, and what a restore without a target gives back: what Orbax's
+# StandardCheckpointHandler (0.12) gives. Empty namedtuples (optax.EmptyState, MaskedNode) and
+# other field-less nodes (a Flax struct) come back as None; a chex dataclass is a Mapping: {}.
+# Manifests written before "tuple" existed recorded an empty tuple as "list".
+_EMPTY_VALUES = {
+    "none": lambda: None,
+    "dict": dict,
+    "list": list,
+    "tuple": tuple,
+    "namedtuple": lambda: None,
+    "masked": lambda: None,
+    "node": lambda: None,
+}
+
+
+class UnsupportedLeafError(ValueError, TypeError):
+    """A leaf of a type or dtype the handler cannot save.
+
+    A ``ValueError`` as Orbax's handlers raise for unsupported types (so ``except ValueError``
+    written for Orbax keeps working) and a ``TypeError`` as cocijax raised before.
+    """
 
 
 def to_dtype(name: str) -> np.dtype:
@@ -40,23 +66,68 @@ def to_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+# Leaf types, checked first: is_empty runs on every node of every tree saved or restored.
+_PLAIN_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, str, jax.ShapeDtypeStruct)
+
+
 def is_empty(x: Any) -> bool:
-    """``None`` or an empty dict/list/tuple (an empty namedtuple such as optax's EmptyState too)."""
-    return x is None or (isinstance(x, dict | list | tuple) and not x)
+    """``None``, or a pytree node without children.
+
+    Empty dicts, lists and tuples, empty namedtuples (optax's ``EmptyState`` and ``MaskedNode``)
+    and field-less registered dataclasses (chex, Flax structs).
+    """
+    if x is None:
+        return True
+    if isinstance(x, _PLAIN_LEAVES):
+        return False
+    if isinstance(x, dict | list | tuple):
+        return not x
+    # Any other registered node: flatten exactly one level (every child counts as a leaf).
+    # A leaf is returned as itself, so only a node without children gives [].
+    return not jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)
+
+
+def is_typed_key(x: Any) -> bool:
+    """Whether ``x`` (an array or a ``jax.ShapeDtypeStruct``) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.cache
+def key_layout(impl: str) -> tuple[Any, tuple[int, ...]]:
+    """The key dtype (``key<fry>``...) of PRNG implementation ``impl`` and its key data shape."""
+    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return key.dtype, tuple(data.shape)
 
 
 def flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``(key path, leaf)`` pairs and the treedef; empty containers and ``None`` are leaves."""
+    """``(key path, leaf)`` pairs and the treedef; ``None`` and empty nodes are leaves."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)
 
 
 def empty_tag(leaf: Any) -> str:
-    """The manifest value of an empty leaf: ``"none"``, ``"dict"`` or ``"list"``."""
-    return "none" if leaf is None else "dict" if isinstance(leaf, dict) else "list"
+    """The manifest value of an empty leaf (see :func:`rebuild_empty`)."""
+    if leaf is None:
+        return "none"
+    if isinstance(leaf, optax.MaskedNode):
+        return "masked"
+    if isinstance(leaf, tuple):
+        return "namedtuple" if hasattr(leaf, "_fields") else "tuple"
+    if isinstance(leaf, list):
+        return "list"
+    if isinstance(leaf, Mapping):  # dict, and chex dataclasses (they are Mappings)
+        return "dict"
+    return "node"
 
 
 def rebuild_empty(tag: str) -> Any:
-    """A fresh empty container (or None) for a manifest value from :func:`empty_tag`."""
+    """What a restore without a target gives for a manifest value from :func:`empty_tag`.
+
+    ``None`` stays None, ``{}`` (and a field-less chex dataclass) is ``{}``, ``[]`` is ``[]``,
+    ``()`` is ``()``; empty namedtuples (``optax.EmptyState``, ``optax.MaskedNode``) and other
+    field-less nodes (a Flax struct) are None.
+    """
     return _EMPTY_VALUES[tag]()
 
 
@@ -64,10 +135,13 @@ def leaf_kind(path: Any, leaf: Any) -> str:
     """The manifest kind of ``leaf``.
 
     Raises:
-      TypeError: the leaf type or dtype cannot be saved; the message names the key path.
+      UnsupportedLeafError: the leaf type or dtype cannot be saved (a ``ValueError`` and a
+        ``TypeError``); the message names the key path.
     """
     if is_empty(leaf):
         return EMPTY_KIND
+    if isinstance(leaf, jax.Array) and is_typed_key(leaf):
+        return KEY_KIND
     if isinstance(leaf, jax.Array):
         kind = "jax"
     elif isinstance(leaf, np.ndarray):
@@ -80,14 +154,17 @@ def leaf_kind(path: Any, leaf: Any) -> str:
         return "int"
     elif isinstance(leaf, float):
         return "float"
+    elif isinstance(leaf, str):
+        return STR_KIND
     else:
-        raise TypeError(
-            f"Leaf {jax.tree_util.keystr(path)}: unsupported type {type(leaf).__name__}; "
-            "expected a jax.Array, numpy array, numpy scalar or Python bool/int/float."
+        raise UnsupportedLeafError(
+            f"Unsupported type {type(leaf).__name__} for leaf {jax.tree_util.keystr(path)}: "
+            "expected a jax.Array (typed PRNG keys included), numpy array, numpy scalar, "
+            "Python bool/int/float/str, None or an empty node."
         )
     if np.dtype(leaf.dtype).name not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"Leaf {jax.tree_util.keystr(path)}: unsupported dtype {np.dtype(leaf.dtype)}; "
+        raise UnsupportedLeafError(
+            f"Unsupported dtype {np.dtype(leaf.dtype)} for leaf {jax.tree_util.keystr(path)}: "
             f"expected one of {', '.join(sorted(SUPPORTED_DTYPES))}."
         )
     return kind
@@ -109,6 +186,15 @@ def encode_keys(path: Any) -> tuple[tuple[str, Any], ...]:
         else:
             out.append(("other", str(k)))
     return tuple(out)
+
+
+def plain_path(keys: tuple[tuple[str, Any], ...]) -> tuple[str | int, ...]:
+    """An encoded key path with dict keys and attribute names alike, indices as ints.
+
+    Trees are matched on these, as Orbax matches them: a dict target restores a dataclass's
+    checkpoint (and the reverse), whatever order each flattens its children in.
+    """
+    return tuple(k if kind in ("seq", "flat") else str(k) for kind, k in keys)
 
 
 def rebuild(keys: list[tuple[tuple[str, Any], ...]], values: list[Any]) -> Any:
