@@ -22,9 +22,10 @@ How ``w`` is estimated, from the losses alone:
 * the forecast weight of a later step ``s`` decays the same way, ``time_weight + (w - time_weight)
   (k / s) ** (decay + 1)``.
 
-``N`` is ``total_steps`` when given. Without it, the job is assumed to run ``horizon_factor``
-times the steps done so far, and its end is never planned as the last save (an open-ended job
-keeps saving). Until ``min_points`` finite losses have been seen, ``w = 1`` (Young's rule).
+``N`` is ``total_steps`` when given. Without it, the job may end anywhere between
+``horizon_range`` times the steps done so far: the weight used is the geometric middle of the two
+ends' weights, kept on Young's side of both (so that no end in the range makes the step's
+decision worse than Young's rule), and the plan is open-ended (it never skips a last save). Until ``min_points`` finite losses have been seen, ``w = 1`` (Young's rule).
 ``w`` is clamped to ``[time_weight, max_weight]`` so that a bad estimate cannot gamble the
 wall-clock overhead away.
 
