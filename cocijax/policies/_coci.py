@@ -25,7 +25,8 @@ How ``w`` is estimated, from the losses alone:
 ``N`` is ``total_steps`` when given. Without it, the job may end anywhere between
 ``horizon_range`` times the steps done so far: the weight used is the geometric middle of the two
 ends' weights, kept on Young's side of both (so that no end in the range makes the step's
-decision worse than Young's rule), and the plan is open-ended (it never skips a last save). Until ``min_points`` finite losses have been seen, ``w = 1`` (Young's rule).
+decision worse than Young's rule), and the plan is open-ended (it never skips a last save).
+Until ``min_points`` finite losses have been seen, ``w = 1`` (Young's rule).
 ``w`` is clamped to ``[time_weight, max_weight]`` so that a bad estimate cannot gamble the
 wall-clock overhead away.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -84,11 +85,34 @@ def _run(policy: Policy, xs):
     return _scan(policy, *(jnp.asarray(x) for x in xs))
 
 
+def _caller(policy: Policy) -> Callable[..., Any]:
+    """``policy.update``, dropping ``mtbf_s``/``recovery_s`` if it does not take them.
+
+    Policies written before those inputs existed (``update(state, *, step, loss, step_time_s,
+    checkpoint_cost_s)``) keep working.
+    """
+    try:
+        params = inspect.signature(policy.update).parameters
+    except (TypeError, ValueError):
+        return policy.update
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if takes_all or {"mtbf_s", "recovery_s"} <= params.keys():
+        return policy.update
+
+    def update(state, *, mtbf_s, recovery_s, **inputs):
+        del mtbf_s, recovery_s
+        return policy.update(state, **inputs)
+
+    return update
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _scan(policy, steps, losses, step_times, costs, mtbfs, recoveries):
+    update = _caller(policy)
+
     def body(state, x):
         step, loss, step_time, cost, mtbf, recovery = x
-        save, state = policy.update(
+        save, state = update(
             state,
             step=step,
             loss=loss,
@@ -144,9 +168,11 @@ def update_many(policy: Policy) -> Callable[[Any, Batch], tuple[jnp.ndarray, Any
 
 
 def _update_many(policy: Policy, state: Any, batch: Batch) -> tuple[jnp.ndarray, Any]:
+    update = _caller(policy)
+
     def body(carry, row):
         state, last = carry
-        new_save, new_state = policy.update(
+        new_save, new_state = update(
             state,
             step=row.step,
             loss=row.loss,
