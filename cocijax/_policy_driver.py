@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from cocijax.policies import Batch, next_check, update_many
+
 __all__ = ["PolicyDriver", "read_loss", "stage_loss"]
 
 _FORMAT = "cocijax.policy_state/1"
@@ -95,72 +97,117 @@ def _decode(entry: dict[str, Any], like: Any, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
+# Steps fed to the policy per dispatch (padded): one compilation for any number of skipped steps.
+BATCH = 64
+
+
 class PolicyDriver:
-    """Runs one policy online: jitted update, measured inputs, restartable state.
+    """Runs one policy online: batched updates, measured inputs, restartable state.
+
+    A step before the policy's next check (``cj.policies.next_check``) cannot be a save, so
+    :meth:`decide` only records its inputs (a comparison and an append: no dispatch, no device
+    sync, the loss not even read); at a check step the recorded steps and the current one go to
+    the policy together (:func:`cj.policies.update_many`), and its decisions are exactly those
+    of one ``update`` per step.
 
     Attributes:
-      state: the policy state (a pytree of arrays).
-      step: the last step fed to the policy, or None.
+      state: the policy state (a pytree of arrays); reading it feeds the recorded steps first.
+      step: the last step given to :meth:`decide`, or None.
       step_time_s: the latest measured step time in seconds, kept by the caller (NaN before the
         first); saved with the checkpoint so that a restarted job has one at once.
       cost_s: the last measured checkpoint cost in seconds (NaN before the first save).
       loss: the loss value the policy sees at the next step (NaN if unknown).
+      mtbf_s: the measured MTBF passed to the policy (NaN: unknown, the policy's prior).
+      recovery_s: the measured recovery time passed to the policy (NaN: unknown).
     """
 
     def __init__(self, policy: Any):
         _check_policy(policy)
         self.policy = policy
-        self._update = jax.jit(policy.update)
+        self._update_many = update_many(policy)
         # The policy runs on the host CPU: on an accelerator its tiny update would queue behind
         # the training step, and reading its decision would synchronise every step.
         self._device = jax.local_devices(backend="cpu")[0]
-        self.state = jax.device_put(policy.init(), self._device)
+        self._state = jax.device_put(policy.init(), self._device)
+        self._next_check = int(next_check(self._state))
+        self._pending: list[tuple[int, Any, float, float]] = []  # (step, loss, step time, cost)
         self.step: int | None = None
         self.step_time_s = math.nan
         self.cost_s = math.nan
         self.loss = math.nan
-        self.inputs = (math.nan, math.nan, math.nan)  # (loss, step_time_s, cost_s) last fed
-        # Compile now, on a throwaway call, so that the first training step is not charged for it.
-        jax.block_until_ready(self._call(self.state, 1, np.full(3, np.nan, np.float32)))
+        self.mtbf_s = math.nan
+        self.recovery_s = math.nan
+        self._last: tuple[Any, float, float] = (math.nan, math.nan, math.nan)
+        # Compile now, on a throwaway batch, so that no training step is charged for it.
+        jax.block_until_ready(self._update_many(self._state, _batch([(1, math.nan, 1.0, 1.0)], 0)))
 
-    def _call(self, state: Any, step: int, values: np.ndarray) -> tuple[Any, Any]:
-        return self._update(
-            state,
-            step=np.int32(step),
-            loss=values[0],
-            step_time_s=values[1],
-            checkpoint_cost_s=values[2],
-        )
+    @property
+    def state(self) -> Any:
+        self._flush()
+        return self._state
 
-    def decide(self, step: int, *, loss: float, step_time_s: float) -> bool:
+    @property
+    def inputs(self) -> tuple[float, float, float]:
+        """``(loss, step_time_s, cost_s)`` of the last :meth:`decide` call (reads the loss)."""
+        loss, step_time, cost = self._last
+        return read_loss(loss), step_time, cost
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._pending = []
+        self._state = jax.device_put(value, self._device)
+        self._next_check = int(next_check(self._state))
+
+    def decide(self, step: int, *, loss: Any, step_time_s: float) -> bool:
         """Feeds one step to the policy and returns its decision.
 
         Before the first measured save the checkpoint cost is NaN, which policies read as "not
-        measured yet" and replace with their ``cost_prior_s``. In a multi-process job the three
-        measured values are broadcast from process 0 first, so every process runs the same
-        update on the same inputs and takes the same decision.
+        measured yet" and replace with their ``cost_prior_s``. In a multi-process job the
+        measured values are broadcast from process 0 before they reach the policy (once per
+        check, for all the steps it covers), so every process runs the same updates on the
+        same inputs and takes the same decisions; the check steps themselves follow from the
+        same state, so all processes agree on them too.
 
         Args:
           step: the completed training step (1-based).
-          loss: its loss (NaN/inf are passed on; policies ignore them).
+          loss: its loss: a number or a staged one-element array (see :func:`stage_loss`); it
+            is read only at the next check (NaN/inf are passed on; policies ignore them).
           step_time_s: its measured duration in seconds.
 
         Returns:
           True when the policy says to checkpoint after this step.
         """
-        values = np.array([loss, step_time_s, self.cost_s], dtype=np.float32)
+        self.step = step
+        self._last = (loss, float(step_time_s), float(self.cost_s))
+        self._pending.append((step, *self._last))
+        if step < self._next_check:
+            return False
+        return self._flush()
+
+    def _flush(self) -> bool:
+        """Feeds the recorded steps to the policy; the decision of the last one."""
+        if not self._pending:
+            return False
+        rows = [(s, read_loss(loss), t, c) for s, loss, t, c in self._pending]
+        self._pending = []
+        values = np.asarray([r[1:] for r in rows], np.float32)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             values = np.asarray(multihost_utils.broadcast_one_to_all(values))
-        save, self.state = self._call(self.state, step, values)
-        self.step = step
-        self.inputs = tuple(float(v) for v in values)
+        rows = [(s, *v) for (s, *_), v in zip(rows, values.tolist(), strict=True)]
+        save = False
+        for start in range(0, len(rows), BATCH):
+            chunk = rows[start : start + BATCH]
+            save, self._state = self._update_many(
+                self._state, _batch(chunk, len(chunk), self.mtbf_s, self.recovery_s)
+            )
+        self._next_check = int(next_check(self._state))
         return bool(save)
 
     def compile_count(self) -> int:
-        """How many times the jitted update has been compiled (1 after the first step)."""
-        return self._update._cache_size()
+        """How many times the batched update has been compiled (1 after the first step)."""
+        return self._update_many._cache_size()
 
     def snapshot(self, loss: Any) -> dict[str, Any]:
         """Captures what the checkpoint of the current step records (cheap; no device sync).
@@ -169,7 +216,7 @@ class PolicyDriver:
           loss: the current step's loss as given by the user (read later, off the train loop).
         """
         return {
-            "leaves": jax.tree.leaves(self.state),
+            "leaves": jax.tree.leaves(self.state),  # feeds the recorded steps first
             "step": self.step,
             "step_time_s": self.step_time_s,
             "loss": loss,
@@ -209,8 +256,26 @@ class PolicyDriver:
             _decode(entry, like, f"{where} (leaf {i})")
             for i, (entry, like) in enumerate(zip(entries, template, strict=True))
         ]
-        self.state = jax.device_put(jax.tree.unflatten(treedef, leaves), self._device)
+        self.state = jax.tree.unflatten(treedef, leaves)
         self.step = None if data["step"] is None else int(data["step"])
         self.step_time_s = float(data["step_time_s"])
         self.cost_s = float(data["cost_s"])
         self.loss = float(data["loss"])
+
+
+def _batch(
+    rows: list[tuple[int, float, float, float]], valid: int, mtbf=math.nan, recovery=math.nan
+) -> Batch:
+    """A :class:`cj.policies.Batch` of ``BATCH`` rows, the first ``valid`` of them real."""
+    pad = [(0, math.nan, math.nan, math.nan)] * (BATCH - len(rows))
+    steps, losses, times, costs = zip(*(rows + pad), strict=True)
+    f32 = lambda v: np.asarray(v, np.float32)
+    return Batch(
+        step=np.asarray(steps, np.int32),
+        loss=f32(losses),
+        step_time_s=f32(times),
+        checkpoint_cost_s=f32(costs),
+        mtbf_s=np.full(BATCH, mtbf, np.float32),
+        recovery_s=np.full(BATCH, recovery, np.float32),
+        valid=np.arange(BATCH) < valid,
+    )

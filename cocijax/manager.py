@@ -47,7 +47,7 @@ from cocijax._manager_dir import (
     is_committed,
     merge_options,
 )
-from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
+from cocijax._policy_driver import PolicyDriver, stage_loss
 from cocijax._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.storage import _tree as storage_tree
 
@@ -307,9 +307,9 @@ class CheckpointManager:
                 "call save once per training step with increasing steps."
             )
         loss = stage_loss(loss)
-        previous_loss = self._driver.loss
-        if self._pending_loss is not None:
-            previous_loss = read_loss(self._pending_loss)  # the previous step: done or nearly
+        # The previous step's loss, read by the driver only at the policy's next check (the
+        # step is done by then): a step that cannot save costs no device sync.
+        previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
         self._pending_loss = loss
         self._driver.loss = previous_loss
         step_time = self._driver.step_time_s  # the previous step's, see the class docstring
@@ -318,8 +318,9 @@ class CheckpointManager:
             # the host-side time of this step is a better guess than "unknown".
             step_time = self._clock() - self._t_mark
         decided = self._driver.decide(step, loss=previous_loss, step_time_s=step_time)
-        # Measured after the decision: on a device that runs computations in order (CPU), the
-        # policy's update waits for this step's computation, so only now has the step ended.
+        # Measured after the decision: at a check, reading the losses waits for the step's
+        # computation, so the step has ended; between checks the host-side time between calls
+        # averages to the step time once the dispatch queue is full (the policy smooths it).
         # The first step of a session is not timed: it usually includes compilation.
         if self._timed:
             self._driver.step_time_s = self._clock() - self._t_mark

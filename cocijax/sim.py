@@ -16,9 +16,20 @@ Overhead is reported in two currencies:
   recomputes (see :func:`progress_weights`). With ``weights=None`` every ``w`` is 1 and both
   currencies agree.
 
-The simulation is vectorised over trials with numpy: it walks the schedule segment by segment
-(a segment is the work between two saves plus the stall that ends it) and only loops in Python
-over segments and over the failures of one segment.
+Two ways to score a schedule, and the best schedule:
+
+* :func:`simulate` (Monte Carlo, any Weibull shape) walks the schedule segment by segment (a
+  segment is the work between two saves plus the stall that ends it), vectorised over trials;
+  it only loops in Python over segments and over the failures of one segment. A trial that has
+  lost more than ``max_overhead_factor`` times the job's failure-free time is abandoned as not
+  finishing: a schedule that rarely saves under a high failure rate needs ``exp(job / MTBF)``
+  restarts, which no simulation (and no job) should wait for.
+* :func:`expected_overhead` gives the exact expectation under Poisson failures, segment by
+  segment (the formula is in :mod:`cocijax.policies._horizon`, which plans with it).
+* :func:`optimal_schedule` is the schedule minimising the expected weighted overhead under
+  Poisson failures, by dynamic programming over checkpoint positions (Toueg and Babaoglu,
+  SIAM J. Comput. 1984, here with per-step weights): the exact offline optimum, a bound no
+  online policy can beat.
 """
 
 from __future__ import annotations
@@ -29,11 +40,17 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = [
+    "Expected",
     "SimResult",
+    "expected_overhead",
     "expected_overhead_periodic",
+    "optimal_schedule",
     "progress_weights",
     "simulate",
 ]
+
+# A trial that has lost this many times the job's failure-free time is abandoned (see above).
+MAX_OVERHEAD_FACTOR = 100.0
 
 
 class SimResult(NamedTuple):
@@ -49,6 +66,10 @@ class SimResult(NamedTuple):
       recompute_s: mean recomputed (lost) work seconds, unweighted.
       recovery_s: mean recovery seconds.
       n_saves: number of saves in the schedule (per failure-free pass).
+      finished: fraction of trials that finished the job before losing
+        ``max_overhead_factor`` times its failure-free time. Below 1 the schedule cannot
+        practically finish the job at this failure rate, and the means (which count each
+        abandoned trial with what it had lost by then) are lower bounds.
     """
 
     wall_overhead_s: float
@@ -60,6 +81,7 @@ class SimResult(NamedTuple):
     recompute_s: float
     recovery_s: float
     n_saves: int
+    finished: float = 1.0
 
 
 def progress_weights(losses, time_weight: float) -> np.ndarray:
@@ -116,10 +138,6 @@ def progress_weights(losses, time_weight: float) -> np.ndarray:
     return time_weight + (1.0 - time_weight) * v
 
 
-def _weibull_scale(mtbf_s: float, shape: float) -> float:
-    return mtbf_s / math.gamma(1.0 + 1.0 / shape)
-
-
 def simulate(
     save_steps,
     *,
@@ -132,6 +150,7 @@ def simulate(
     weights=None,
     trials: int = 1000,
     seed: int = 0,
+    max_overhead_factor: float = MAX_OVERHEAD_FACTOR,
 ) -> SimResult:
     """Monte Carlo overhead of a save schedule under random failures.
 
@@ -149,6 +168,8 @@ def simulate(
       trials: number of simulated jobs.
       seed: seed of the failure draws. The same seed gives the same failure times for every
         schedule (common random numbers), so differences between schedules have low variance.
+      max_overhead_factor: abandon a trial once it has lost this many times the failure-free
+        job time (see ``SimResult.finished``).
 
     Returns:
       A :class:`SimResult` of means over trials.
@@ -159,99 +180,300 @@ def simulate(
     Example:
       >>> r = simulate([50, 100], n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0,
       ...              recovery_s=5.0, mtbf_s=1e9, trials=10)
-      >>> r.wall_overhead_s
-      2.0
+      >>> r.wall_overhead_s, r.finished
+      (2.0, 1.0)
     """
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
     for name, val in (
-        ("n_steps", n_steps),
-        ("step_time_s", step_time_s),
-        ("mtbf_s", mtbf_s),
         ("weibull_shape", weibull_shape),
         ("trials", trials),
+        ("max_overhead_factor", max_overhead_factor),
     ):
         if not (np.isfinite(val) and val > 0):
             raise ValueError(f"{name} must be a positive number, got {val}.")
-    for name, val in (("checkpoint_cost_s", checkpoint_cost_s), ("recovery_s", recovery_s)):
-        if not (np.isfinite(val) and val >= 0):
-            raise ValueError(f"{name} must be a non-negative number, got {val}.")
     n_steps, trials = int(n_steps), int(trials)
-    steps = np.unique(np.asarray(save_steps, dtype=np.int64).ravel())
-    steps = steps[(steps >= 1) & (steps <= n_steps)]
-    if weights is None:
-        w = np.ones(n_steps)
-    else:
-        w = np.asarray(weights, dtype=np.float64)
-        if w.shape != (n_steps,):
-            raise ValueError(f"weights must have shape ({n_steps},), got {w.shape}.")
+    steps = _save_steps(save_steps, n_steps)
+    w = _weights(weights, n_steps)
     # Cumulative weighted work at step boundaries; lost weighted work is a difference of it,
     # linearly interpolated inside a step.
     cw = np.concatenate([[0.0], np.cumsum(w)]) * step_time_s
-
     rng = np.random.default_rng(seed)
-    scale = _weibull_scale(mtbf_s, weibull_shape)
+    scale = mtbf_s / math.gamma(1.0 + 1.0 / weibull_shape)
 
     def draw(k: int) -> np.ndarray:
         return scale * rng.weibull(weibull_shape, size=k)
 
-    ends = np.concatenate([steps, [n_steps]]) if steps.size == 0 or steps[-1] != n_steps else steps
-    starts = np.concatenate([[0], ends[:-1]])
-    stalls = np.where(np.isin(ends, steps), checkpoint_cost_s, 0.0)
-
-    t_next = draw(trials)  # time until the next failure, per trial
-    stall = np.zeros(trials)
-    lost = np.zeros(trials)
-    lost_w = np.zeros(trials)
-    recov = np.zeros(trials)
-    fails = np.zeros(trials)
-    for s0, s1, c in zip(starts, ends, stalls, strict=True):
+    t = _Trials(trials, draw(trials), max_overhead_factor * n_steps * step_time_s)
+    for s0, s1, c in _segments(steps, n_steps, checkpoint_cost_s):
         work = (s1 - s0) * step_time_s
         dur = work + c
-        active = np.arange(trials)
+        active = np.flatnonzero(t.alive)
         while active.size:
-            tn = t_next[active]
-            ok = tn >= dur
+            ok = t.t_next[active] >= dur
             done = active[ok]
-            t_next[done] -= dur
-            stall[done] += c
+            t.t_next[done] -= dur
+            t.stall[done] += c
             hit = active[~ok]
             if hit.size == 0:
                 break
-            x = t_next[hit]
+            x = t.t_next[hit]
             lw = np.minimum(x, work)
-            lost[hit] += lw
+            t.lost[hit] += lw
             pos = s0 + lw / step_time_s
-            lost_w[hit] += np.interp(pos, np.arange(n_steps + 1), cw) - cw[s0]
-            stall[hit] += x - lw
-            fails[hit] += 1
-            # Recovery, restarted by any failure that lands inside it.
-            nxt = draw(hit.size)
-            pending = np.arange(hit.size)
-            while pending.size:
-                short = nxt[pending] < recovery_s
-                sp = pending[short]
-                if sp.size == 0:
-                    break
-                recov[hit[sp]] += nxt[sp]
-                fails[hit[sp]] += 1
-                nxt[sp] = draw(sp.size)
-                pending = sp
-            recov[hit] += recovery_s
-            t_next[hit] = nxt - recovery_s
-            active = hit
-    wall = stall + lost + recov
-    weighted = stall + lost_w + recov
+            t.lost_w[hit] += np.interp(pos, np.arange(n_steps + 1), cw) - cw[s0]
+            t.stall[hit] += x - lw
+            t.fails[hit] += 1
+            t.recover(hit, recovery_s, draw)
+            active = hit[t.alive[hit]]
+    wall = t.stall + t.lost + t.recov
+    weighted = t.stall + t.lost_w + t.recov
     se = lambda a: float(a.std(ddof=1) / math.sqrt(trials)) if trials > 1 else 0.0
     return SimResult(
         wall_overhead_s=float(wall.mean()),
         weighted_overhead_s=float(weighted.mean()),
         wall_overhead_se=se(wall),
         weighted_overhead_se=se(weighted),
-        failures=float(fails.mean()),
-        stall_s=float(stall.mean()),
-        recompute_s=float(lost.mean()),
-        recovery_s=float(recov.mean()),
+        failures=float(t.fails.mean()),
+        stall_s=float(t.stall.mean()),
+        recompute_s=float(t.lost.mean()),
+        recovery_s=float(t.recov.mean()),
         n_saves=int(steps.size),
+        finished=float(t.alive.mean()),
     )
+
+
+class _Trials:
+    """Per-trial accumulators of :func:`simulate`, and the abandonment rule."""
+
+    def __init__(self, trials: int, t_next: np.ndarray, cap_s: float):
+        self.t_next = t_next  # time until the next failure
+        self.stall, self.lost, self.lost_w, self.recov, self.fails = np.zeros((5, trials))
+        self.alive = np.ones(trials, bool)  # not abandoned
+        self.cap_s = cap_s
+
+    def recover(self, hit: np.ndarray, recovery_s: float, draw) -> None:
+        """Recovers the trials ``hit`` (a recovery restarts on any failure inside it)."""
+        nxt = draw(hit.size)
+        pending = np.arange(hit.size)
+        while pending.size:
+            short = nxt[pending] < recovery_s
+            sp = pending[short]
+            if sp.size == 0:
+                break
+            self.recov[hit[sp]] += nxt[sp]
+            self.fails[hit[sp]] += 1
+            nxt[sp] = draw(sp.size)
+            # A recovery longer than the MTBF may never complete: stop at the cap.
+            sp = sp[self.stall[hit[sp]] + self.lost[hit[sp]] + self.recov[hit[sp]] < self.cap_s]
+            pending = sp
+        self.recov[hit] += recovery_s
+        self.t_next[hit] = nxt - recovery_s
+        over = self.stall[hit] + self.lost[hit] + self.recov[hit] >= self.cap_s
+        self.alive[hit[over]] = False
+
+
+def _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s) -> None:
+    for name, val in (("n_steps", n_steps), ("step_time_s", step_time_s), ("mtbf_s", mtbf_s)):
+        if not (np.isfinite(val) and val > 0):
+            raise ValueError(f"{name} must be a positive number, got {val}.")
+    for name, val in (("checkpoint_cost_s", checkpoint_cost_s), ("recovery_s", recovery_s)):
+        if not (np.isfinite(val) and val >= 0):
+            raise ValueError(f"{name} must be a non-negative number, got {val}.")
+
+
+def _save_steps(save_steps, n_steps: int) -> np.ndarray:
+    steps = np.unique(np.asarray(save_steps, dtype=np.int64).ravel())
+    return steps[(steps >= 1) & (steps <= n_steps)]
+
+
+def _weights(weights, n_steps: int) -> np.ndarray:
+    if weights is None:
+        return np.ones(n_steps)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (n_steps,):
+        raise ValueError(f"weights must have shape ({n_steps},), got {w.shape}.")
+    if not np.all(np.isfinite(w) & (w >= 0)):
+        raise ValueError("weights must be finite and non-negative.")
+    return w
+
+
+def _segments(steps: np.ndarray, n_steps: int, cost: float):
+    """``(start, end, stall)`` of each segment: the steps after a save up to the next one."""
+    ends = np.concatenate([steps, [n_steps]]) if steps.size == 0 or steps[-1] != n_steps else steps
+    starts = np.concatenate([[0], ends[:-1]])
+    return zip(starts, ends, np.where(np.isin(ends, steps), cost, 0.0), strict=True)
+
+
+class Expected(NamedTuple):
+    """Exact expected overheads of a schedule under Poisson failures (see :func:`simulate`).
+
+    Attributes:
+      wall_s: expected wall seconds lost (stall, recomputation, recovery).
+      weighted_s: expected weighted seconds lost (recomputation weighted as in ``simulate``).
+    """
+
+    wall_s: float
+    weighted_s: float
+
+
+def _segment_cost(work, weighted, integral, c, lam, rec):
+    """Expected weighted cost of segments (float64 arrays); inf where it overflows.
+
+    ``integral`` is ``int_0^work exp(-lam x) w(x) dx``; see :mod:`cocijax.policies._horizon`
+    for the derivation.
+    """
+    d = work + c
+    with np.errstate(over="ignore", invalid="ignore"):
+        grow = np.exp(lam * d)
+        value = c - weighted + grow * integral + (math.expm1(lam * c) - lam * c) / lam
+        value = value + (grow - 1.0) * rec
+    return np.where(np.isfinite(value), value, np.inf)
+
+
+def expected_overhead(
+    save_steps,
+    *,
+    n_steps: int,
+    step_time_s: float,
+    checkpoint_cost_s: float,
+    recovery_s: float,
+    mtbf_s: float,
+    weights=None,
+) -> Expected:
+    """The exact expected overhead of a save schedule under Poisson failures.
+
+    The cost model of :func:`simulate` with ``weibull_shape=1``, without sampling: each
+    segment's expectation is summed in closed form (``inf`` where the schedule cannot
+    practically finish). Runs in ``O(n_steps)``.
+
+    Args:
+      save_steps: 1-based steps after which the job saves.
+      n_steps: number of training steps.
+      step_time_s: seconds per step.
+      checkpoint_cost_s: stall seconds per save.
+      recovery_s: recovery seconds per failure.
+      mtbf_s: mean time between failures.
+      weights: per-step value weights; ``None`` means all 1.
+
+    Returns:
+      :class:`Expected` (wall and weighted seconds).
+
+    Example:
+      >>> e = expected_overhead([50, 100], n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0,
+      ...                       recovery_s=5.0, mtbf_s=1e9)
+      >>> round(e.wall_s, 3), round(e.weighted_s, 3)
+      (2.0, 2.0)
+    """
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    n_steps = int(n_steps)
+    w = _weights(weights, n_steps)
+    lam = 1.0 / mtbf_s
+    rec = math.expm1(lam * recovery_s) / lam
+    q = -math.expm1(-lam * step_time_s) / lam
+    totals = np.zeros(2)
+    for s0, s1, c in _segments(_save_steps(save_steps, n_steps), n_steps, checkpoint_cost_s):
+        decay = np.exp(-lam * step_time_s * np.arange(s1 - s0))
+        for i, seg_w in enumerate((np.ones(s1 - s0), w[s0:s1])):
+            totals[i] += _segment_cost(
+                (s1 - s0) * step_time_s, seg_w.sum() * step_time_s, q * (seg_w * decay).sum(),
+                c, lam, rec,
+            )  # fmt: skip
+    return Expected(float(totals[0]), float(totals[1]))
+
+
+def optimal_schedule(
+    weights,
+    *,
+    step_time_s: float,
+    checkpoint_cost_s: float,
+    recovery_s: float,
+    mtbf_s: float,
+) -> np.ndarray:
+    """The save schedule with the least expected weighted overhead under Poisson failures.
+
+    Dynamic programming over checkpoint positions: ``cost[j]`` is the least expected cost of
+    the steps up to a save after step ``j``, the minimum over the previous save ``i`` of
+    ``cost[i]`` plus the segment's exact expected cost (as in :func:`expected_overhead`);
+    the job ends without a save. Each segment's cost is ``O(1)`` from prefix sums, so the run
+    is ``O(n L)`` for segments of at most ``L`` steps; ``L`` starts at a few optimal intervals
+    and doubles until no chosen segment reaches it, so the cap never binds.
+
+    Args:
+      weights: per-step value weights (e.g. :func:`progress_weights`), length ``n_steps``.
+      step_time_s: seconds per step.
+      checkpoint_cost_s: stall seconds per save.
+      recovery_s: recovery seconds per failure.
+      mtbf_s: mean time between failures.
+
+    Returns:
+      int64 array of the 1-based steps to save after, increasing.
+
+    Raises:
+      ValueError: naming an argument that is out of range.
+
+    Example:
+      >>> import numpy as np
+      >>> s = optimal_schedule(np.ones(1000), step_time_s=1.0, checkpoint_cost_s=10.0,
+      ...                      recovery_s=0.0, mtbf_s=3600.0)
+      >>> 240 <= int(np.median(np.diff(s))) <= 270  # ~ Young's sqrt(2 C M) = 268
+      True
+
+    References:
+      Toueg and Babaoglu, `On the optimum checkpoint selection problem
+      <https://doi.org/10.1137/0213041>`_, SIAM J. Comput. 1984.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0:
+        raise ValueError(f"weights must be a non-empty 1-D array, got shape {w.shape}.")
+    n = w.size
+    _check_job(n, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    w = _weights(w, n)
+    lam = 1.0 / mtbf_s
+    # Segments longer than ~600 MTBF are hopeless and would overflow exp() in the sums.
+    hard_cap = max(1, min(n, int(600.0 / (lam * step_time_s))))
+    young = math.sqrt(2.0 * max(checkpoint_cost_s, 1e-9) * mtbf_s) / step_time_s
+    floor = max(np.mean(w), 1e-12) * 1e-2
+    cap = min(hard_cap, max(16, math.ceil(8.0 * young * math.sqrt(1.0 / max(w.min(), floor)))))
+    while True:
+        saves, longest = _dp(w, cap, step_time_s, checkpoint_cost_s, recovery_s, lam)
+        if longest < cap or cap >= hard_cap:
+            return saves
+        cap = min(hard_cap, 2 * cap)
+
+
+def _dp(w, cap, tau, cost, recovery_s, lam):
+    """The DP of :func:`optimal_schedule` with segments of at most ``cap`` steps."""
+    n = w.size
+    rec = math.expm1(lam * recovery_s) / lam
+    q = -math.expm1(-lam * tau) / lam
+    cw = np.concatenate([[0.0], np.cumsum(w)]) * tau
+    grow = np.exp(lam * tau * np.arange(cap))  # e^{lam u tau}, u = steps back from the end
+    shrink = np.exp(-lam * tau * np.arange(cap))
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    prev = np.zeros(n + 1, np.int64)
+    final = (np.inf, 0)
+    for j in range(1, n + 1):
+        ell = np.arange(1, min(cap, j) + 1)  # segment lengths; the segment starts at j - ell
+        # int_0^W e^{-lam x} w dx for every start, summed from the segment's end backwards:
+        # e^{-lam (ell-1) tau} * sum_u w_{j-u} e^{lam u tau}, all terms positive (no cancellation).
+        back = np.cumsum(w[j - 1 :: -1][: ell.size] * grow[: ell.size])
+        integral = q * shrink[: ell.size] * back
+        work = ell * tau
+        weighted = cw[j] - cw[j - ell]
+        total = best[j - ell] + _segment_cost(work, weighted, integral, cost, lam, rec)
+        k = int(np.argmin(total))
+        best[j], prev[j] = total[k], j - ell[k]
+        if j == n:
+            end = best[j - ell] + _segment_cost(work, weighted, integral, 0.0, lam, rec)
+            k = int(np.argmin(end))
+            final = (end[k], j - ell[k])
+    saves, at = [], final[1]
+    while at > 0:
+        saves.append(at)
+        at = prev[at]
+    saves = np.asarray(saves[::-1], np.int64)
+    return saves, int(np.diff(np.concatenate([[0], saves, [n]])).max())
 
 
 def expected_overhead_periodic(

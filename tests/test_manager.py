@@ -129,7 +129,7 @@ def test_policy_schedule_continues_after_reopen(tmp_path):
     losses = 0.2 + 3.0 * np.exp(-np.arange(n) / 12.0)
 
     def policy():
-        return cj.policies.coci(mtbf_s=60.0, total_steps=n, min_fit_points=8, refit_every=4)
+        return cj.policies.coci(mtbf_s=60.0, total_steps=n, min_points=8)
 
     clock = FakeClock(tick=0.5)
     with cj.CheckpointManager(tmp_path / "a", policy=policy(), clock=clock) as mngr:

@@ -81,7 +81,7 @@ def test_bad_arguments():
 
 def test_state_json_continues_the_schedule():
     def policy():
-        return cj.policies.coci(mtbf_s=30.0, min_fit_points=8, refit_every=4)
+        return cj.policies.coci(mtbf_s=30.0, min_points=8)
 
     losses = 0.2 + 3.0 * np.exp(-np.arange(40) / 10.0)
 

@@ -1,13 +1,19 @@
 """The fault-injection simulator against closed forms, and the hindsight weights."""
 
+import itertools
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cocijax as cj
 from cocijax import sim
+
+DATA = Path(__file__).resolve().parent / "data" / "wrn-40-4_cifar10_loss.csv"
 
 KW = dict(n_steps=5000, step_time_s=1.5, checkpoint_cost_s=20.0, recovery_s=90.0, mtbf_s=3000.0)
 
@@ -177,3 +183,82 @@ def test_progress_weights_edge_cases():
         sim.progress_weights(y, 1.5)
     with pytest.raises(ValueError, match="1-D"):
         sim.progress_weights(np.ones((2, 2)), 0.5)
+
+
+# --- exact expectation, optimal schedule, bounded work -------------------------------------
+
+EXACT = dict(step_time_s=60.0, checkpoint_cost_s=30.0, recovery_s=120.0, mtbf_s=1800.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expected_overhead_agrees_with_the_monte_carlo(seed):
+    rng = np.random.default_rng(seed)
+    n = 40
+    weights = rng.gamma(0.5, 2.0, size=n)
+    saves = np.sort(rng.choice(np.arange(1, n), size=6, replace=False))
+    exact = cj.sim.expected_overhead(saves, n_steps=n, weights=weights, **EXACT)
+    mc = cj.sim.simulate(saves, n_steps=n, weights=weights, trials=100_000, seed=seed, **EXACT)
+    assert abs(mc.weighted_overhead_s - exact.weighted_s) < 4 * mc.weighted_overhead_se
+    assert abs(mc.wall_overhead_s - exact.wall_s) < 4 * mc.wall_overhead_se
+
+
+def test_expected_overhead_of_a_periodic_schedule_is_the_closed_form():
+    n, every = 1000, 37
+    exact = cj.sim.expected_overhead(range(every, n + 1, every), n_steps=n, **EXACT)
+    closed = cj.sim.expected_overhead_periodic(every, n_steps=n, **EXACT)
+    assert exact.wall_s == pytest.approx(closed, rel=1e-9)
+    assert exact.weighted_s == pytest.approx(closed, rel=1e-9)  # weights None: all 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_schedule_is_the_exhaustive_optimum(seed):
+    rng = np.random.default_rng(seed)
+    n = 11
+    weights = rng.gamma(0.5, 2.0, size=n) if seed else np.ones(n)
+    score = lambda s: cj.sim.expected_overhead(s, n_steps=n, weights=weights, **EXACT).weighted_s
+    best = min(
+        (list(c) for r in range(n) for c in itertools.combinations(range(1, n), r)), key=score
+    )
+    dp = cj.sim.optimal_schedule(weights, **EXACT)
+    assert score(dp) == pytest.approx(score(best), rel=1e-9)
+
+
+@pytest.mark.parametrize(("cost", "mtbf"), [(10.0, 3600.0), (30.0, 7200.0), (5.0, 300.0)])
+def test_optimal_schedule_of_uniform_weights_is_the_periodic_optimum(cost, mtbf):
+    n = 5000
+    kw = dict(step_time_s=1.0, checkpoint_cost_s=cost, recovery_s=60.0, mtbf_s=mtbf)
+    dp = cj.sim.optimal_schedule(np.ones(n), **kw)
+    periodic = min(cj.sim.expected_overhead_periodic(e, n_steps=n, **kw) for e in range(10, 2000))
+    # The DP may space its saves unevenly near the end; it is never worse.
+    assert cj.sim.expected_overhead(dp, n_steps=n, **kw).wall_s <= periodic * (1 + 1e-9)
+    assert cj.sim.expected_overhead(dp, n_steps=n, **kw).wall_s >= periodic * 0.99
+
+
+def test_optimal_schedule_beats_every_policy_on_a_real_curve():
+    rows = np.genfromtxt(DATA, delimiter=",", names=True)
+    losses = rows["loss"]
+    n = losses.size
+    weights = cj.sim.progress_weights(losses, 0.25)
+    kw = dict(step_time_s=144.0, checkpoint_cost_s=30.0, recovery_s=120.0, mtbf_s=7200.0)
+    best = cj.sim.expected_overhead(
+        cj.sim.optimal_schedule(weights, **kw), n_steps=n, weights=weights, **kw
+    ).weighted_s
+    for policy in (cj.policies.young(7200.0), cj.policies.coci(7200.0, 120.0, total_steps=n)):
+        steps = cj.plan(losses, policy, step_time_s=144.0, checkpoint_cost_s=30.0)
+        assert cj.sim.expected_overhead(steps, n_steps=n, weights=weights, **kw).weighted_s > best
+
+
+def test_a_schedule_that_cannot_finish_is_reported_in_seconds_not_simulated_forever():
+    """The CLI case that once spun for ever: a 5-hour job, MTBF 10 min, one save."""
+    rows = np.genfromtxt(DATA, delimiter=",", names=True)
+    n = rows["loss"].size
+    kw = dict(n_steps=n, step_time_s=90.0, checkpoint_cost_s=20.0, recovery_s=0.0, mtbf_s=600.0)
+    start = time.perf_counter()
+    rarely = cj.sim.simulate([100], trials=200, **kw)
+    often = cj.sim.simulate(np.arange(2, n + 1, 2), trials=200, **kw)
+    assert time.perf_counter() - start < 20.0
+    assert rarely.finished == 0.0 and often.finished == 1.0
+    # Abandoned trials count what they had lost by then: at least the cap.
+    assert rarely.wall_overhead_s >= cj.sim.MAX_OVERHEAD_FACTOR * n * 90.0
+    # The exact expectation agrees that it is hopeless: over 10^9 s (decades) for 5 hours.
+    assert cj.sim.expected_overhead([100], **kw).wall_s > 1e9

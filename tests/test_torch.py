@@ -166,8 +166,10 @@ def test_policy_decisions_match_jax_policy(tmp_path, name):
         assert last.loss == np.float32(losses[-1])
         final_state = mngr.policy_state
     assert got == expected
+    # The manager feeds the policy in batches (one scan per check step): XLA may round a
+    # float32 differently there than in one call per step, by an ulp at most.
     for a, b in zip(jax.tree.leaves(final_state), jax.tree.leaves(expected_state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
 
 
 def test_schedule_continues_after_reopen(tmp_path):

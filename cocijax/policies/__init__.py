@@ -13,9 +13,10 @@ from cocijax.policies._by_name import by_name
 from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
 from cocijax.policies._coci import CociState, coci
 from cocijax.policies._paper import coci_paper
-from cocijax.policies._plan import plan
+from cocijax.policies._plan import Batch, next_check, plan, update_many
 
 __all__ = [
+    "Batch",
     "CociState",
     "Policy",
     "by_name",
@@ -25,7 +26,9 @@ __all__ = [
     "daly",
     "daly_interval",
     "fixed",
+    "next_check",
     "plan",
+    "update_many",
     "young",
     "young_interval",
 ]

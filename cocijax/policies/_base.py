@@ -1,8 +1,19 @@
 """The ``Policy`` type and the bookkeeping every policy shares.
 
 A policy is a pair of pure functions, optax style: ``init() -> state`` and
-``update(state, *, step, loss, step_time_s, checkpoint_cost_s) -> (save, state)``. ``step``
-counts completed training steps (1-based) and ``save`` means "checkpoint now, after this step".
+``update(state, *, step, loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s) ->
+(save, state)``. ``step`` counts completed training steps (1-based) and ``save`` means
+"checkpoint now, after this step". ``mtbf_s`` and ``recovery_s`` are optional: a caller that
+measures them (the manager learns both from the job) passes its estimates, NaN meaning unknown;
+a value given to the policy's constructor wins over them.
+
+**Decisions at check steps.** Every state carries ``clock.next_check``: ``update`` returns
+``save=False`` for every step before it, whatever its inputs. A caller may therefore skip the
+policy on those steps and feed them later, in order, in one batch (:func:`update_many`), and take
+exactly the decisions of a per-step loop; a skipped step costs it one integer comparison. Each
+policy plans its checks from its own rule (a fixed interval knows its next multiple; a time
+interval checks again half way to where the measured step time says it ends, so a decision is
+late only when the steps suddenly become more than twice as long).
 
 Step times and checkpoint costs are measured online by the caller and may vary from call to
 call, so policies smooth them with an exponential moving average (:class:`Clock`) instead of
@@ -22,6 +33,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+import jax
 import jax.numpy as jnp
 
 PolicyState = Any  # A pytree (NamedTuple) of jnp arrays.
@@ -39,7 +51,15 @@ class InitFn(Protocol):
 
 class UpdateFn(Protocol):
     def __call__(
-        self, state: PolicyState, *, step, loss, step_time_s, checkpoint_cost_s
+        self,
+        state: PolicyState,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
     ) -> tuple[jnp.ndarray, PolicyState]:
         """Observes one completed step and decides whether to save after it.
 
@@ -50,6 +70,10 @@ class UpdateFn(Protocol):
           step_time_s: measured seconds of this step (smoothed inside).
           checkpoint_cost_s: latest measured stall of one save, in seconds (smoothed inside);
             NaN when not measured yet.
+          mtbf_s: the caller's estimate of the mean time between failures in seconds, or NaN;
+            used only by policies built without ``mtbf_s``.
+          recovery_s: the caller's estimate of the recovery time in seconds, or NaN; used only
+            by policies built without ``recovery_s``.
 
         Returns:
           ``(save, new_state)`` with ``save`` a 0-d bool array.
@@ -57,7 +81,11 @@ class UpdateFn(Protocol):
 
 
 class Policy(NamedTuple):
-    """A checkpoint policy: pure ``init`` and ``update`` functions (``update`` is jit-safe).
+    """A checkpoint policy: pure ``init`` and ``update`` functions.
+
+    ``update`` is jit-safe; the built-in policies jit it already, so an eager call is one
+    dispatch. A training loop should still not call it at every step: :class:`Runner` skips the
+    steps before each check (see the module docstring) and returns plain bools.
 
     Example:
       >>> import cocijax as cj
@@ -71,6 +99,14 @@ class Policy(NamedTuple):
     update: UpdateFn
 
 
+def make_policy(init: InitFn, update: UpdateFn) -> Policy:
+    """A :class:`Policy` whose ``update`` is jitted once, so that eager calls cost one dispatch.
+
+    Inside another ``jit`` (``plan``'s scan) it is inlined as usual.
+    """
+    return Policy(init, jax.jit(update))
+
+
 class Clock(NamedTuple):
     """Smoothed step time and cost, and time since the last save."""
 
@@ -80,13 +116,14 @@ class Clock(NamedTuple):
     since_save: jnp.ndarray  # shape=(), float32, training seconds since the last save
     steps_since_save: jnp.ndarray  # shape=(), int32, calls since the last save
     last_step: jnp.ndarray  # shape=(), int32, largest step seen (0 before any)
+    next_check: jnp.ndarray  # shape=(), int32, no save before this step (see the module doc)
 
 
 def clock_init() -> Clock:
     nan = jnp.asarray(jnp.nan, jnp.float32)
     zero = jnp.zeros((), jnp.float32)
     izero = jnp.zeros((), jnp.int32)
-    return Clock(nan, nan, zero, zero, izero, izero)
+    return Clock(nan, nan, zero, zero, izero, izero, jnp.ones((), jnp.int32))
 
 
 def _ema(old, sample, valid, alpha):
@@ -121,18 +158,81 @@ def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s):
             since_save=clock.since_save + dt,
             steps_since_save=clock.steps_since_save + 1,
             last_step=jnp.maximum(clock.last_step, step),
+            # A replayed step (a restore, then the same steps again) is checked at once: the
+            # plan made for the steps ahead of it no longer applies.
+            next_check=jnp.where(is_new, clock.next_check, jnp.minimum(clock.next_check, step)),
         ),
         is_new,
         dt,
     )
 
 
-def clock_saved(clock: Clock, save) -> Clock:
-    """Resets the since-save counters where ``save`` is true."""
+def checking(clock: Clock, step) -> jnp.ndarray:
+    """Whether ``step`` is a check step, where the policy may decide to save."""
+    return jnp.asarray(step, jnp.int32) >= clock.next_check
+
+
+def clock_saved(clock: Clock, save, step, next_check) -> Clock:
+    """Resets the since-save counters where ``save``; sets the next check step.
+
+    ``next_check`` is moved only on check steps (it is at least ``step + 1``): between checks it
+    stays where the last check put it.
+    """
+    step = jnp.asarray(step, jnp.int32)
+    planned = jnp.maximum(jnp.asarray(next_check, jnp.int32), step + 1)
     return clock._replace(
         since_save=jnp.where(save, 0.0, clock.since_save),
         steps_since_save=jnp.where(save, 0, clock.steps_since_save),
+        next_check=jnp.where(checking(clock, step), planned, clock.next_check),
     )
+
+
+def halfway(step, steps_left) -> jnp.ndarray:
+    """The check step half way to a save expected ``steps_left`` steps after ``step``."""
+    half = jnp.floor(jnp.maximum(jnp.asarray(steps_left, jnp.float32), 0.0) / 2.0)
+    return jnp.asarray(step, jnp.int32) + jnp.maximum(
+        jnp.asarray(jnp.minimum(half, 2**30), jnp.int32), 1
+    )
+
+
+def resolve(given: float | None, estimate, prior: float, *, zero_ok: bool = False) -> jnp.ndarray:
+    """``given`` if set, else the caller's ``estimate`` if valid, else ``prior``.
+
+    Valid means finite and positive (or non-negative with ``zero_ok``, as a recovery time may be).
+    """
+    if given is not None:
+        return jnp.float32(given)
+    e = jnp.asarray(estimate, jnp.float32)
+    ok = jnp.isfinite(e) & ((e >= 0) if zero_ok else (e > 0))
+    return jnp.where(ok, e, jnp.float32(prior))
+
+
+# Failure rate assumed when neither the user nor the caller's measurements give one: a device
+# fails about once a day, and a job fails when any of its devices does (the COCI paper's
+# data-parallel case), so the job's MTBF shrinks with the device count.
+DEVICE_MTBF_S = 24 * 3600.0
+
+
+def default_prior_mtbf_s() -> float:
+    """``DEVICE_MTBF_S / jax.device_count()``: the MTBF assumed before one is learned."""
+    import jax
+
+    return DEVICE_MTBF_S / jax.device_count()
+
+
+def check_mtbf(mtbf_s: float | None, prior_mtbf_s: float | None) -> tuple[float | None, float]:
+    """Validates a constructor's ``mtbf_s``/``prior_mtbf_s`` pair; returns them as floats.
+
+    Raises:
+      ValueError: naming the argument that is not a positive finite number.
+    """
+    given = None if mtbf_s is None else check_positive("mtbf_s", mtbf_s)
+    prior = (
+        default_prior_mtbf_s()
+        if prior_mtbf_s is None
+        else check_positive("prior_mtbf_s", prior_mtbf_s)
+    )
+    return given, prior
 
 
 def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarray]:

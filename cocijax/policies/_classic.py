@@ -2,11 +2,17 @@
 
 Young and Daly save when the training time since the last save reaches their optimal interval,
 rounded to the nearest step (a save happens once the time left to the interval is under half a
-step), with the interval recomputed every call from the smoothed checkpoint cost.
+step), with the interval recomputed at each check from the smoothed checkpoint cost. Checks come
+half way to where the smoothed step time says the interval ends (see ``_base``), so a caller can
+skip the policy in between.
+
+``mtbf_s=None`` lets the caller's measured MTBF (the manager learns it from the job) drive the
+interval, with ``prior_mtbf_s`` until there is one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -37,22 +43,36 @@ def daly_interval(checkpoint_cost_s, mtbf_s):
     return jnp.where(c < 2.0 * m, tau, m)
 
 
-def _interval_policy(interval_fn, mtbf_s: float, cost_prior_s: float) -> Policy:
-    """Saves once ``interval_fn(cost, mtbf_s)`` seconds of training passed since the last save."""
-    mtbf_s = _base.check_positive("mtbf_s", mtbf_s)
+def _interval_policy(
+    interval_fn, mtbf_s: float | None, prior_mtbf_s: float | None, cost_prior_s: float
+) -> Policy:
+    """Saves once ``interval_fn(cost, mtbf)`` seconds of training passed since the last save."""
+    given, prior = _base.check_mtbf(mtbf_s, prior_mtbf_s)
     _base.check_nonnegative("cost_prior_s", cost_prior_s)
 
     def init():
         return ClassicState(_base.clock_init())
 
-    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
-        del loss
+    def update(
+        state,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
+    ):
+        del loss, recovery_s
         clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
-        save = clock.since_save >= interval_fn(cost, mtbf_s) - 0.5 * tau
-        return save, ClassicState(_base.clock_saved(clock, save))
+        left = interval_fn(cost, _base.resolve(given, mtbf_s, prior)) - 0.5 * tau - clock.since_save
+        save = _base.checking(clock, step) & (left <= 0)
+        after = jnp.where(save, left + clock.since_save, left)  # seconds to the next save
+        next_check = _base.halfway(step, after / tau)
+        return save, ClassicState(_base.clock_saved(clock, save, step, next_check))
 
-    return Policy(init, update)
+    return _base.make_policy(init, update)
 
 
 def fixed(every: int) -> Policy:
@@ -84,20 +104,39 @@ def fixed(every: int) -> Policy:
     def init():
         return ClassicState(_base.clock_init())
 
-    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
-        del loss
+    def update(
+        state,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
+    ):
+        del loss, mtbf_s, recovery_s
         clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
-        save = (jnp.asarray(step, jnp.int32) % every) == 0
-        return save, ClassicState(_base.clock_saved(clock, save))
+        step = jnp.asarray(step, jnp.int32)
+        save = (step % every) == 0
+        next_multiple = (step // every + 1) * every
+        return save, ClassicState(_base.clock_saved(clock, save, step, next_multiple))
 
-    return Policy(init, update)
+    return _base.make_policy(init, update)
 
 
-def young(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+def young(
+    mtbf_s: float | None = None,
+    *,
+    prior_mtbf_s: float | None = None,
+    cost_prior_s: float = DEFAULT_COST_PRIOR_S,
+) -> Policy:
     """Young's rule: save every ``sqrt(2 C M)`` seconds of training.
 
     Args:
-      mtbf_s: mean time between failures, seconds.
+      mtbf_s: mean time between failures, seconds; ``None`` uses the caller's measured MTBF
+        (``update(..., mtbf_s=...)``, as the manager passes it), ``prior_mtbf_s`` until then.
+      prior_mtbf_s: MTBF assumed before one is measured; default 24 h divided by
+        ``jax.device_count()``.
       cost_prior_s: checkpoint cost assumed until the first measured one.
 
     Returns:
@@ -110,14 +149,22 @@ def young(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Polic
       Young, `A first order approximation to the optimum checkpoint interval
       <https://doi.org/10.1145/361147.361115>`_, CACM 1974.
     """
-    return _interval_policy(young_interval, mtbf_s, cost_prior_s)
+    return _interval_policy(young_interval, mtbf_s, prior_mtbf_s, cost_prior_s)
 
 
-def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+def daly(
+    mtbf_s: float | None = None,
+    *,
+    prior_mtbf_s: float | None = None,
+    cost_prior_s: float = DEFAULT_COST_PRIOR_S,
+) -> Policy:
     """Daly's higher-order optimal interval (see :func:`daly_interval`).
 
     Args:
-      mtbf_s: mean time between failures, seconds.
+      mtbf_s: mean time between failures, seconds; ``None`` uses the caller's measured MTBF,
+        ``prior_mtbf_s`` until then.
+      prior_mtbf_s: MTBF assumed before one is measured; default 24 h divided by
+        ``jax.device_count()``.
       cost_prior_s: checkpoint cost assumed until the first measured one.
 
     Returns:
@@ -130,7 +177,7 @@ def daly(mtbf_s: float, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy
       Daly, `A higher order estimate of the optimum checkpoint interval for restart dumps
       <https://doi.org/10.1016/j.future.2004.11.016>`_, FGCS 2006.
     """
-    return _interval_policy(daly_interval, mtbf_s, cost_prior_s)
+    return _interval_policy(daly_interval, mtbf_s, prior_mtbf_s, cost_prior_s)
 
 
 def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
@@ -165,12 +212,23 @@ def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_
     def init():
         return ClassicState(_base.clock_init())
 
-    def update(state, *, step, loss, step_time_s, checkpoint_cost_s):
-        del loss
+    def update(
+        state,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
+    ):
+        del loss, mtbf_s, recovery_s
         clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         every = jnp.maximum(jnp.ceil(cost / (mo * tau) - 1e-6), 1.0)
-        save = clock.steps_since_save.astype(jnp.float32) >= every
-        return save, ClassicState(_base.clock_saved(clock, save))
+        left = every - clock.steps_since_save.astype(jnp.float32)
+        save = _base.checking(clock, step) & (left <= 0)
+        next_check = _base.halfway(step, jnp.where(save, every, left))
+        return save, ClassicState(_base.clock_saved(clock, save, step, next_check))
 
-    return Policy(init, update)
+    return _base.make_policy(init, update)

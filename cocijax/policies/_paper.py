@@ -32,6 +32,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -147,7 +148,18 @@ def coci_paper(
         ok = (theta1 < 0) & (pc > 0) & jnp.isfinite(pc) & jnp.isfinite(now)
         return ok, now - pc, pc
 
-    def update(state: PaperState, *, step, loss, step_time_s, checkpoint_cost_s):
+    def update(
+        state: PaperState,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
+    ):
+        # The artifact takes its failure rate as given: the caller's estimates are not used.
+        del mtbf_s, recovery_s
         clock, is_new, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         t_now = clock.elapsed / unit
@@ -184,7 +196,15 @@ def coci_paper(
         save = save_plan | save_young | (is_new & (count == PROFILE_SAVE_STEP))
         next_level = jnp.where(save_plan, next_level - pc, next_level)
         return save, PaperState(
-            _base.clock_saved(clock, save), history, theta1, theta2, planned, next_level, pc, count
+            # The fitted loss can cross the next level at any step: check every step.
+            _base.clock_saved(clock, save, step, jnp.asarray(step, jnp.int32) + 1),
+            history,
+            theta1,
+            theta2,
+            planned,
+            next_level,
+            pc,
+            count,
         )
 
-    return Policy(init, update)
+    return _base.make_policy(init, update)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,15 @@ import numpy as np
 from cocijax.policies._base import Policy
 
 
-def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarray:
+def plan(
+    losses,
+    policy: Policy,
+    *,
+    step_time_s,
+    checkpoint_cost_s,
+    mtbf_s=math.nan,
+    recovery_s=math.nan,
+) -> np.ndarray:
     """Runs ``policy`` online over ``losses`` and returns the steps it saves at.
 
     Step ``i`` (1-based) sees ``losses[i - 1]`` and only the history before it: the policy as
@@ -25,6 +37,9 @@ def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarra
       policy: a :class:`Policy`.
       step_time_s: seconds per step, a scalar or one value per step.
       checkpoint_cost_s: stall seconds per save, a scalar or one value per step.
+      mtbf_s: the MTBF a caller has measured, a scalar or one value per step (NaN: unknown);
+        used by policies built without ``mtbf_s``.
+      recovery_s: likewise for the recovery time.
 
     Returns:
       int64 array of the 1-based steps after which the policy saves, increasing.
@@ -57,6 +72,8 @@ def plan(losses, policy: Policy, *, step_time_s, checkpoint_cost_s) -> np.ndarra
         y,
         per_step("step_time_s", step_time_s),
         per_step("checkpoint_cost_s", checkpoint_cost_s),
+        per_step("mtbf_s", mtbf_s),
+        per_step("recovery_s", recovery_s),
     )
     saves = np.asarray(_run(policy, xs))
     return np.flatnonzero(saves).astype(np.int64) + 1
@@ -68,14 +85,115 @@ def _run(policy: Policy, xs):
     return _scan(policy, *(jnp.asarray(x) for x in xs))
 
 
+def _caller(policy: Policy) -> Callable[..., Any]:
+    """``policy.update``, dropping ``mtbf_s``/``recovery_s`` if it does not take them.
+
+    Policies written before those inputs existed (``update(state, *, step, loss, step_time_s,
+    checkpoint_cost_s)``) keep working.
+    """
+    try:
+        params = inspect.signature(policy.update).parameters
+    except (TypeError, ValueError):
+        return policy.update
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if takes_all or {"mtbf_s", "recovery_s"} <= params.keys():
+        return policy.update
+
+    def update(state, *, mtbf_s, recovery_s, **inputs):
+        del mtbf_s, recovery_s
+        return policy.update(state, **inputs)
+
+    return update
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _scan(policy, steps, losses, step_times, costs):
+def _scan(policy, steps, losses, step_times, costs, mtbfs, recoveries):
+    update = _caller(policy)
+
     def body(state, x):
-        step, loss, step_time, cost = x
-        save, state = policy.update(
-            state, step=step, loss=loss, step_time_s=step_time, checkpoint_cost_s=cost
+        step, loss, step_time, cost, mtbf, recovery = x
+        save, state = update(
+            state,
+            step=step,
+            loss=loss,
+            step_time_s=step_time,
+            checkpoint_cost_s=cost,
+            mtbf_s=mtbf,
+            recovery_s=recovery,
         )
         return state, jnp.asarray(save, bool)
 
-    _, saves = jax.lax.scan(body, policy.init(), (steps, losses, step_times, costs))
+    xs = (steps, losses, step_times, costs, mtbfs, recoveries)
+    _, saves = jax.lax.scan(body, policy.init(), xs)
     return saves
+
+
+class Batch(NamedTuple):
+    """Inputs of several consecutive ``update`` calls, padded to a fixed length.
+
+    Every field has shape ``(length,)``; rows where ``valid`` is false are padding and leave the
+    state unchanged.
+    """
+
+    step: jnp.ndarray  # int32
+    loss: jnp.ndarray  # float32
+    step_time_s: jnp.ndarray  # float32
+    checkpoint_cost_s: jnp.ndarray  # float32
+    mtbf_s: jnp.ndarray  # float32
+    recovery_s: jnp.ndarray  # float32
+    valid: jnp.ndarray  # bool
+
+
+def update_many(policy: Policy) -> Callable[[Any, Batch], tuple[jnp.ndarray, Any]]:
+    """A jitted function feeding a :class:`Batch` of steps to ``policy.update`` in order.
+
+    Exactly the state and decisions of one ``update`` call per valid row; it returns the
+    decision of the last valid row and the new state. A caller that skips the policy on the
+    steps before ``next_check(state)`` (where ``update`` cannot save) feeds them here together
+    with the check step, in one dispatch instead of one per step.
+
+    Example:
+      >>> import numpy as np, cocijax as cj
+      >>> from cocijax.policies import Batch, update_many
+      >>> policy = cj.policies.fixed(3)
+      >>> run = update_many(policy)
+      >>> f = lambda v, dt=np.float32: np.full(4, v, dt)
+      >>> batch = Batch(np.arange(1, 5, dtype=np.int32), f(2.0), f(1.0), f(0.5), f(np.nan),
+      ...               f(np.nan), np.array([True, True, True, False]))
+      >>> save, state = run(policy.init(), batch)
+      >>> bool(save), int(next_check(state))
+      (True, 6)
+    """
+    return jax.jit(functools.partial(_update_many, policy))
+
+
+def _update_many(policy: Policy, state: Any, batch: Batch) -> tuple[jnp.ndarray, Any]:
+    update = _caller(policy)
+
+    def body(carry, row):
+        state, last = carry
+        new_save, new_state = update(
+            state,
+            step=row.step,
+            loss=row.loss,
+            step_time_s=row.step_time_s,
+            checkpoint_cost_s=row.checkpoint_cost_s,
+            mtbf_s=row.mtbf_s,
+            recovery_s=row.recovery_s,
+        )
+        keep = lambda new, old: jnp.where(row.valid, new, old)
+        state = jax.tree.map(keep, new_state, state)
+        return (state, keep(jnp.asarray(new_save, bool), last)), None
+
+    (state, save), _ = jax.lax.scan(body, (state, jnp.zeros((), bool)), batch)
+    return save, state
+
+
+def next_check(state: Any) -> jnp.ndarray:
+    """The first step at which ``update`` may save (1 for states that do not say).
+
+    Every policy of :mod:`cocijax.policies` keeps it in ``state.clock.next_check``; a policy
+    state of your own without it is checked at every step.
+    """
+    clock = getattr(state, "clock", None)
+    return getattr(clock, "next_check", jnp.ones((), jnp.int32))

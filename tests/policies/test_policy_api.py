@@ -113,8 +113,13 @@ BAD = [
     (cj.policies.coci, {"time_weight": 1.5}, "time_weight"),
     (cj.policies.coci, {"time_weight": -0.1}, "time_weight"),
     (cj.policies.coci, {"total_steps": 0}, "total_steps"),
-    (cj.policies.coci, {"min_weight": 2.0}, "min_weight"),
-    (cj.policies.coci, {"refit_every": 0}, "refit_every"),
+    (cj.policies.coci, {"max_weight": 0.5}, "max_weight"),
+    (cj.policies.coci, {"decay": 0.0}, "decay"),
+    (cj.policies.coci, {"horizon_range": (0.5, 2.0)}, "horizon_range"),
+    (cj.policies.coci, {"horizon_range": "far"}, "horizon_range"),
+    (cj.policies.coci, {"min_points": 1}, "min_points"),
+    (cj.policies.coci, {"prior_mtbf_s": 0.0}, "prior_mtbf_s"),
+    (cj.policies.young, {"prior_mtbf_s": -5.0}, "prior_mtbf_s"),
     (cj.policies.coci_paper, {"mtbf_s": 0.0}, "mtbf_s"),
     (cj.policies.coci_paper, {"mtbf_s": 1.0, "fit_interval": 1}, "fit_interval"),
     (cj.policies.young, {"mtbf_s": 1.0, "cost_prior_s": -1.0}, "cost_prior_s"),
@@ -161,24 +166,91 @@ def test_any_losses_give_increasing_in_range_saves(losses, name, cost):
     assert saves.size == 0 or (saves[0] >= 1 and saves[-1] <= losses.size)
 
 
-def test_replayed_steps_keep_saving_but_are_not_refitted():
+def test_replayed_steps_count_as_time_but_not_as_new_losses():
     """Documented behaviour: a repeated/decreasing step counts as time, not as new history."""
     policy = POLICIES["coci_no_total"]
-    update = jax.jit(policy.update)
-    steps = list(range(1, 81)) + list(range(41, 121))  # a restore to step 40, then replay
-    state = policy.init()
-    saves = []
-    for s in steps:
-        save, state = update(
-            state, step=s, loss=2.0 + 1.0 / s, step_time_s=1.0, checkpoint_cost_s=1.0
-        )
-        saves.append(bool(save))
-    assert int(state.history.count) == 120  # 1..120 once each, not 160
+
+    def run(steps):
+        state, saves = policy.init(), []
+        for i, s in enumerate(steps):
+            save, state = policy.update(
+                state, step=s, loss=2.0 + 1.0 / s, step_time_s=1.0, checkpoint_cost_s=1.0
+            )
+            if bool(save):
+                saves.append(i + 1)  # in calls, i.e. in seconds of training
+        return np.asarray(saves), state
+
+    replayed, state = run(list(range(1, 81)) + list(range(41, 121)))  # a restore to step 40
+    assert int(state.count) == 120  # losses of steps 1..120 once each, not 160
     assert int(state.clock.last_step) == 120
     assert float(state.clock.elapsed) == pytest.approx(160.0)
-    assert any(saves[80:120]), "the policy must keep saving while replaying old steps"
+    straight, _ = run(list(range(1, 161)))
+    # The replay is exposure like any other time: saves stay about as far apart, in seconds,
+    # as in a job without a restore. (Were the 40 replayed steps not counted, the save after
+    # them would come 40 seconds later: a gap of about 90 s instead of about 50 s.)
+    gap = lambda saves: np.diff(saves[saves > 40]).max()
+    assert gap(replayed) <= 1.25 * gap(straight)
+    assert replayed[replayed > 80].size > 0
+
+    steps = list(range(1, 81)) + list(range(41, 121))
 
     young = POLICIES["young"]
     ref, _ = _eager(young, np.ones(160), np.ones(160), np.full(160, 2.0))
     got, _ = _eager(young, np.ones(160), np.ones(160), np.full(160, 2.0), steps=steps)
     np.testing.assert_array_equal(got, ref)  # time-based rules ignore the step number
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_no_save_before_the_check_step_whatever_the_inputs(name):
+    """The contract that lets a caller skip the policy between checks (see policies._base)."""
+    policy = POLICIES[name]
+    update = jax.jit(policy.update)
+    rng = np.random.default_rng(7)
+    state = policy.init()
+    checked = 0
+    for s in range(1, 400):
+        due = int(cj.policies.next_check(state))
+        # Adversarial inputs between checks: jumps in loss, step time and cost.
+        loss = float(rng.choice([1e3, 1e-3, np.nan, 2.0 / s]))
+        step_time = float(rng.choice([1e-3, 1.0, 50.0]))
+        save, state = update(
+            state, step=s, loss=loss, step_time_s=step_time, checkpoint_cost_s=4.0,
+            mtbf_s=float(rng.choice([np.nan, 60.0, 6000.0])), recovery_s=5.0,
+        )  # fmt: skip
+        if s < due:
+            assert not bool(save), (name, s, due)
+        else:
+            checked += 1
+    assert checked < 399 or name in ("coci_paper", "fixed")  # some steps were skippable
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_skipping_to_the_checks_and_batching_decides_like_every_step(name):
+    """What the manager does: skip steps before next_check, feed them with the check step."""
+    policy = POLICIES[name]
+    losses, step_times, costs = _inputs()
+    every_step = cj.plan(losses, policy, step_time_s=step_times, checkpoint_cost_s=costs)
+    run = cj.policies.update_many(policy)
+    state, pending, saves, dispatches = policy.init(), [], [], 0
+    for s in range(1, N + 1):
+        pending.append((s, losses[s - 1], step_times[s - 1], costs[s - 1]))
+        if s < int(cj.policies.next_check(state)):
+            continue
+        # Fixed-size chunks: one compilation whatever the number of skipped steps.
+        while pending:
+            chunk, pending = pending[:16], pending[16:]
+            rows = chunk + [(0, np.nan, np.nan, np.nan)] * (16 - len(chunk))
+            cols = list(zip(*rows, strict=True))
+            nan = np.full(16, np.nan, np.float32)
+            batch = cj.policies.Batch(
+                np.asarray(cols[0], np.int32), np.asarray(cols[1], np.float32),
+                np.asarray(cols[2], np.float32), np.asarray(cols[3], np.float32), nan, nan,
+                np.arange(16) < len(chunk),
+            )  # fmt: skip
+            save, state = run(state, batch)
+            dispatches += 1
+        if bool(save):
+            saves.append(s)
+    np.testing.assert_array_equal(np.asarray(saves, np.int64), every_step)
+    if name not in ("coci_paper",):
+        assert dispatches < N  # the point of it: fewer dispatches than steps

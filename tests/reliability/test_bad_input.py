@@ -30,17 +30,20 @@ P = cj.policies
 # -- policies -------------------------------------------------------------------------------
 
 
-_POSITIVE = [-1.0, 0.0, math.nan, math.inf, "1h", None]
-_NON_NEGATIVE = [-1.0, -1e-9, math.nan, math.inf, "2m", None]
+_POSITIVE = [-1.0, 0.0, math.nan, math.inf, "1h"]
+_NON_NEGATIVE = [-1.0, -1e-9, math.nan, math.inf, "2m"]
 _FACTORIES = {
     "fixed-every": (lambda v: P.fixed(v), "every", [0, -2, 1.5, "3", None]),
+    "fixed-every-none": (lambda v: P.fixed(v), "every", [None]),
     "young-mtbf": (lambda v: P.young(v), "mtbf_s", _POSITIVE),
+    "young-prior-mtbf": (lambda v: P.young(prior_mtbf_s=v), "prior_mtbf_s", _POSITIVE),
+    "coci-prior-mtbf": (lambda v: P.coci(prior_mtbf_s=v), "prior_mtbf_s", _POSITIVE),
     "daly-mtbf": (lambda v: P.daly(v), "mtbf_s", _POSITIVE),
     "coci-mtbf": (lambda v: P.coci(mtbf_s=v), "mtbf_s", _POSITIVE),
     "coci-recovery": (lambda v: P.coci(recovery_s=v), "recovery_s", _NON_NEGATIVE),
     "coci-time-weight": (lambda v: P.coci(time_weight=v), "time_weight", [-0.1, 1.5, math.nan]),
     "young-cost-prior": (lambda v: P.young(3600.0, cost_prior_s=v), "cost_prior_s", _NON_NEGATIVE),
-    "checkfreq-overhead": (lambda v: P.checkfreq(v), "max_overhead", [*_POSITIVE, 2.0]),
+    "checkfreq-overhead": (lambda v: P.checkfreq(v), "max_overhead", [*_POSITIVE, None, 2.0]),
 }
 
 
