@@ -1,16 +1,25 @@
-"""Policy benchmark: every policy on every shared loss curve, scored by the simulator.
+"""Policy benchmark: every policy on every loss curve, scored against the exact optimum.
 
-Each curve of ``../shared/loss_curves`` (relative to the repository root) is stretched to an
-8-hour job (step time = 8 h / rows). Each policy runs online through :func:`cocijax.plan` (it sees
-only the history so far, and ``total_steps`` for ``coci``), and its schedule is scored by
-:func:`cocijax.sim.simulate` with the hindsight weights of
-:func:`cocijax.sim.progress_weights` (time_weight 0.25) and the same failure draws for every
-policy (common random numbers). The hindsight bound is the best scale factor of the optimal
-density shape ``sqrt(lambda w / 2C)`` computed from the whole curve.
+Curves: the ten shared real curves (``../shared/loss_curves`` from the repository root, or
+``--shared DIR``) and the curves this project trained itself (``benchmarks/curves``, split into
+``tune`` and ``holdout`` by ``index.csv``; see its SOURCES.md). Each curve is stretched to an
+8-hour job (step time = 8 h / rows). Each policy runs online through :func:`cocijax.plan` (it
+sees only the history so far, and ``total_steps`` for ``coci``; ``coci no total`` does not).
 
-Run: ``python benchmarks/policy_bench.py [--trials 1000] [--no-write]``. Prints a table,
-rewrites the ``policy_bench`` section of BENCHMARKS.md, writes plots to ``benchmarks/out/`` and
-``docs/policy_bench.png``.
+Scores are weighted overheads (hindsight weights of :func:`cocijax.sim.progress_weights`,
+time_weight 0.25). Scenarios A and B have Poisson failures: every schedule is scored by its
+exact expectation (:func:`cocijax.sim.expected_overhead`, no sampling noise) and the bound is
+the exact optimum (:func:`cocijax.sim.optimal_schedule`, dynamic programming). Scenario C has
+Weibull failures (shape 0.7): schedules are scored by Monte Carlo with common random numbers,
+and the bound is a heuristic (the best scale of the first-order density ``sqrt(w)``), since the
+DP is optimal for Poisson failures only.
+
+Capture = (best classic - policy) / (best classic - bound): the share of the achievable
+reduction a policy gets. Not meaningful where the bound itself is within a few percent of the
+best classic policy.
+
+Run: ``python benchmarks/policy_bench.py [--trials 1000] [--write]``; ``--write`` records the
+tables in BENCHMARKS.md and the figure in docs/policy_bench.png.
 """
 
 from __future__ import annotations
@@ -19,25 +28,26 @@ import argparse
 import csv
 import datetime
 import math
+import os
 import platform
 import statistics
-import subprocess
 import time
 import zlib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from _report import cpu_and_ram, write_section
 from rich.console import Console
 from rich.table import Table
 
 import cocijax as cj
-from cocijax.policies import _convergence
+from cocijax.policies import _horizon
 
 ROOT = Path(__file__).resolve().parents[1]
-CURVES = ROOT.parent / "shared" / "loss_curves"
-OUT = ROOT / "benchmarks" / "out"
+SHARED = Path(os.environ.get("COCIJAX_SHARED_CURVES", ROOT.parent / "shared" / "loss_curves"))
+OWN = ROOT / "benchmarks" / "curves"
 DOC_PNG = ROOT / "docs" / "policy_bench.png"
 SECTION = "policy_bench"
 JOB_S = 8 * 3600.0
@@ -57,6 +67,17 @@ def load_curve(path: Path) -> np.ndarray:
     return np.array([float(r["loss"]) if r["loss"] not in ("", None) else np.nan for r in rows])
 
 
+def curves(shared: Path) -> list[tuple[str, str, np.ndarray]]:
+    """``(name, set, losses)``: set is ``shared``, ``tune`` or ``holdout``."""
+    out = [(p.stem, "shared", load_curve(p)) for p in sorted(shared.glob("*.csv"))]
+    index = OWN / "index.csv"
+    if index.is_file():
+        with index.open() as f:
+            for row in csv.DictReader(f):
+                out.append((row["name"], row["split"], load_curve(OWN / f"{row['name']}.csv")))
+    return out
+
+
 def policies_for(n: int, sc: dict) -> dict[str, cj.policies.Policy]:
     m, r = sc["mtbf_s"], sc["recovery_s"]
     return {
@@ -65,7 +86,7 @@ def policies_for(n: int, sc: dict) -> dict[str, cj.policies.Policy]:
         "checkfreq": cj.policies.checkfreq(0.05),
         "coci_paper": cj.policies.coci_paper(m),
         "coci": cj.policies.coci(m, r, TIME_WEIGHT, total_steps=n),
-        "coci_no_total": cj.policies.coci(m, r, TIME_WEIGHT),
+        "coci no total": cj.policies.coci(m, r, TIME_WEIGHT),
     }
 
 
@@ -80,390 +101,283 @@ def density_schedule(density: np.ndarray, tau: float, scale: float) -> np.ndarra
     return np.asarray(steps, np.int64)
 
 
-def run_case(y, sc, trials, seed):
+def run_case(y: np.ndarray, sc: dict, trials: int, seed: int) -> dict:
     n = y.size
     tau = JOB_S / n
     w = cj.sim.progress_weights(y, TIME_WEIGHT)
-    sim_kw = dict(
+    poisson = sc["weibull_shape"] == 1.0
+    job = dict(
         n_steps=n,
         step_time_s=tau,
         checkpoint_cost_s=sc["checkpoint_cost_s"],
         recovery_s=sc["recovery_s"],
         mtbf_s=sc["mtbf_s"],
-        weibull_shape=sc["weibull_shape"],
-        weights=w,
-        trials=trials,
-        seed=seed,
     )
-    res, sched = {}, {}
-    for name, pol in policies_for(n, sc).items():
-        s = cj.plan(y, pol, step_time_s=tau, checkpoint_cost_s=sc["checkpoint_cost_s"])
-        sched[name] = s
-        res[name] = cj.sim.simulate(s, **sim_kw)
-    dens = np.sqrt(w / (2.0 * sc["checkpoint_cost_s"] * sc["mtbf_s"]))
-    best = None
-    for a in SCALES:
-        s = density_schedule(dens, tau, a)
-        r = cj.sim.simulate(s, **sim_kw)
-        if best is None or r.weighted_overhead_s < best[1].weighted_overhead_s:
-            best = (s, r)
-    sched["hindsight"], res["hindsight"] = best
-    return res, sched, w
 
-
-FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75)
-NOTE = (
-    "Notes: `coci_paper` follows the COCI artifact, whose loss decrement `pc` is in minutes "
-    "but compared with the loss, so on these curves it plans few or no saves after its first "
-    "fit and its overhead is off the scale: beating it says little. Capture is not "
-    "meaningful where the bound's own reduction is near 0 (resnet50, B). The hindsight bound "
-    "picks its scale factor on the same draws it is scored on, so it is slightly optimistic. "
-    "Standard errors (±) are of the mean overhead; differences between policies are much "
-    "tighter thanks to the common random numbers."
-)
-
-
-def forecast_errors(y: np.ndarray) -> list[float]:
-    """Error of the forecast drop still to come, as a fraction of the curve's whole drop.
-
-    At each fraction f of the job the convergence model is fitted on the first f n points (as
-    ``coci`` does online) and its forecast drop to step n is compared with the true drop of the
-    hindsight envelope (centred moving average, best so far). Negative = too little forecast.
-    """
-    n = y.size
-    h = max(3, n // 200)
-    ok = np.isfinite(y)
-    cs = np.concatenate([[0.0], np.cumsum(np.where(ok, y, 0.0))])
-    cc = np.concatenate([[0], np.cumsum(ok)])
-    lo, hi = np.clip(np.arange(n) - h, 0, n), np.clip(np.arange(n) + h + 1, 0, n)
-    env = np.minimum.accumulate((cs[hi] - cs[lo]) / np.maximum(cc[hi] - cc[lo], 1))
-    out = []
-    for f in FRACTIONS:
-        m = max(8, int(f * n))
-        fit = _convergence.fit_points(np.arange(1, m + 1), y[:m])
-        pred = (
-            float(_convergence.predict(fit, m) - _convergence.predict(fit, n))
-            if bool(fit.ok)
-            else 0.0
+    def score(steps) -> tuple[float, float]:
+        """(weighted, wall) overhead of a schedule."""
+        if poisson:
+            e = cj.sim.expected_overhead(steps, weights=w, **job)
+            return e.weighted_s, e.wall_s
+        r = cj.sim.simulate(
+            steps, weights=w, weibull_shape=sc["weibull_shape"], trials=trials, seed=seed, **job
         )
-        out.append((pred - (env[m - 1] - env[-1])) / (env[0] - env[-1]))
-    return out
+        return r.weighted_overhead_s, r.wall_overhead_s
+
+    res, saves = {}, {}
+    for name, pol in policies_for(n, sc).items():
+        saves[name] = cj.plan(y, pol, step_time_s=tau, checkpoint_cost_s=sc["checkpoint_cost_s"])
+        res[name] = score(saves[name])
+    dens = np.sqrt(w / (2.0 * sc["checkpoint_cost_s"] * sc["mtbf_s"]))
+    heuristic = min((score(density_schedule(dens, tau, a)), a) for a in SCALES)[0]
+    res["density bound"] = heuristic
+    if poisson:
+        kw = {k: job[k] for k in ("step_time_s", "checkpoint_cost_s", "recovery_s", "mtbf_s")}
+        saves["optimal"] = cj.sim.optimal_schedule(w, **kw)
+        res["optimal"] = score(saves["optimal"])
+    bound = min(res["density bound"], res.get("optimal", (math.inf, 0)))
+    classic = min(res[k][0] for k in CLASSIC)
+
+    def capture(name: str) -> float:
+        gain = classic - bound[0]
+        return (classic - res[name][0]) / gain if gain > 0 else math.nan
+
+    return dict(
+        n=n,
+        res=res,
+        saves={k: len(v) for k, v in saves.items()},
+        classic=classic,
+        bound=bound[0],
+        bound_red=1.0 - bound[0] / classic,
+        capture=capture("coci"),
+        capture_nt=capture("coci no total"),
+        vs_classic=res["coci"][0] / classic - 1.0,
+        vs_classic_nt=res["coci no total"][0] / classic - 1.0,
+        wall_vs_young=res["coci"][1] / res["young"][1],
+        wall_vs_young_nt=res["coci no total"][1] / res["young"][1],
+    )
 
 
-def update_cost_us(calls: int = 2000) -> dict[str, float]:
-    """Median wall time of one jitted ``update`` call, eagerly dispatched as in training."""
-    out = {}
-    for name, pol in {
-        "young": cj.policies.young(7200.0),
-        "coci": cj.policies.coci(7200.0, 120.0, 0.25, total_steps=20000),
-        "coci_paper": cj.policies.coci_paper(7200.0),
-    }.items():
-        upd = jax.jit(pol.update)
-        st = pol.init()
-        rng = np.random.default_rng(0)
-        times = []
-        for s in range(1, calls + 1):
-            loss = float(3.0 + 5.0 / math.sqrt(s) + 0.05 * rng.standard_normal())
-            t0 = time.perf_counter()
-            save, st = upd(st, step=s, loss=loss, step_time_s=1.0, checkpoint_cost_s=30.0)
-            bool(save)  # the caller needs the decision: include the device-to-host sync
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times[100:]) * 1e6
-    return out
+def replan_ms(repeats: int = 50) -> float:
+    """Median milliseconds of one coci re-plan (bins, then the backward DP), jitted, on CPU."""
+    costs = _horizon.costs(1.5, 30.0, 120.0, 7200.0)
+
+    @jax.jit
+    def plan(step):
+        dens = lambda s: jnp.sqrt(costs.lam * (0.25 + 4.0 * (step / s) ** 1.5) / 60.0) * 1.5
+        edges, _ = _horizon.edges_for(step, 20000.0, dens)
+        weights = 0.25 + 4.0 * (step / (0.5 * (edges[1:] + edges[:-1]))) ** 1.5
+        return _horizon.values(
+            _horizon.Plan(edges, weights, jnp.zeros_like(edges)), costs, end_without_save=True
+        ).values
+
+    jax.block_until_ready(plan(100.0))
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(plan(100.0 + i))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def speed_checks() -> dict[str, float]:
-    """Seconds for a 20k-step plan (after compilation) and a 1000-trial x 20k-step simulation."""
+    """Seconds of a 20k-step coci plan and of the 20k-step optimal schedule."""
     n = 20000
     rng = np.random.default_rng(0)
     y = 3.0 + 5.0 / np.sqrt(np.arange(1, n + 1)) + 0.05 * rng.standard_normal(n)
     pol = cj.policies.coci(7200.0, 120.0, 0.25, total_steps=n)
     cj.plan(y, pol, step_time_s=1.44, checkpoint_cost_s=30.0)  # compile
     t0 = time.perf_counter()
-    steps = cj.plan(y, pol, step_time_s=1.44, checkpoint_cost_s=30.0)
+    cj.plan(y, pol, step_time_s=1.44, checkpoint_cost_s=30.0)
     t_plan = time.perf_counter() - t0
     w = cj.sim.progress_weights(y, TIME_WEIGHT)
     t0 = time.perf_counter()
-    cj.sim.simulate(
-        steps,
-        n_steps=n,
-        step_time_s=1.44,
-        checkpoint_cost_s=30.0,
-        recovery_s=120.0,
-        mtbf_s=2880.0,
-        weights=w,
-        trials=1000,
-        seed=0,
+    cj.sim.optimal_schedule(
+        w, step_time_s=1.44, checkpoint_cost_s=30.0, recovery_s=120.0, mtbf_s=7200.0
     )
-    t_sim = time.perf_counter() - t0
-    return {"plan_20k_s": t_plan, "simulate_1000x20k_s": t_sim}
+    return {
+        "plan_20k_s": t_plan,
+        "optimal_20k_s": time.perf_counter() - t0,
+        "replan_ms": replan_ms(),
+    }
 
 
 def machine() -> str:
-    try:
-        fs = (
-            subprocess.run(["df", "-T", str(ROOT)], capture_output=True, text=True, check=False)
-            .stdout.splitlines()[-1]
-            .split()[1]
-        )
-    except (OSError, IndexError):
-        fs = "?"
     return (
-        f"{cpu_and_ram()}, filesystem {fs}; "
-        f"{datetime.date.today().isoformat()}; Python {platform.python_version()}, "
-        f"jax {jax.__version__}, numpy {np.__version__}"
+        f"{cpu_and_ram()}; {datetime.date.today().isoformat()}; Python "
+        f"{platform.python_version()}, jax {jax.__version__}, numpy {np.__version__}"
     )
 
 
-def plot(cases, marks_case) -> None:
+def summarise(rows: list[dict], sets: tuple[str, ...], scens: tuple[str, ...]) -> dict:
+    sel = [r for r in rows if r["set"] in sets and r["scen"] in scens]
+    if not sel:
+        return {}
+    fin = lambda key: [r[key] for r in sel if math.isfinite(r[key])]
+    return dict(
+        cases=len(sel),
+        capture_median=statistics.median(fin("capture")),
+        capture_min=min(fin("capture")),
+        capture_nt_median=statistics.median(fin("capture_nt")),
+        capture_nt_min=min(fin("capture_nt")),
+        worst=max(r["vs_classic"] for r in sel),
+        worst_nt=max(r["vs_classic_nt"] for r in sel),
+        wall=max(max(r["wall_vs_young"], r["wall_vs_young_nt"]) for r in sel),
+        bound_red=statistics.median(r["bound_red"] for r in sel),
+    )
+
+
+def targets(s: dict) -> list[tuple[str, str, str]]:
+    ok = lambda b: "met" if b else "NOT met"
+    return [
+        ("median capture >= 90% (coci)", f"{s['capture_median']:.0%}",
+         ok(s["capture_median"] >= 0.9)),
+        ("no case below 70% (coci)", f"min {s['capture_min']:.0%}", ok(s["capture_min"] >= 0.7)),
+        ("no case worse than best classic (coci)", f"worst {s['worst']:+.2%}", ok(s["worst"] <= 0)),
+        (
+            "median capture >= 75% (no total)",
+            f"{s['capture_nt_median']:.0%}",
+            ok(s["capture_nt_median"] >= 0.75),
+        ),
+        (
+            "no case worse than best classic by > 1% (no total)",
+            f"worst {s['worst_nt']:+.2%}",
+            ok(s["worst_nt"] <= 0.01),
+        ),
+        ("wall overhead <= 1.4x Young's (both)", f"max {s['wall']:.2f}x", ok(s["wall"] <= 1.4)),
+    ]  # fmt: skip
+
+
+def plot(rows: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    OUT.mkdir(parents=True, exist_ok=True)
     DOC_PNG.parent.mkdir(parents=True, exist_ok=True)
-    names = ["young", "daly", "checkfreq", "coci_paper", "coci", "hindsight"]
-    fig = plt.figure(figsize=(15, 6))
-    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1], width_ratios=[1, 1.3])
-    curve, scen, y, sched = marks_case
-    hours = np.arange(1, y.size + 1) * JOB_S / y.size / 3600.0
-    ax = fig.add_subplot(grid[0, 0])
-    ax.plot(hours, y, lw=0.6, color="0.4")
-    ax.set_ylim(np.nanpercentile(y, 0.5), np.nanpercentile(y, 99.5))
-    ax.set_ylabel("loss")
-    ax.set_title(f"{curve}, scenario {scen}")
-    marks = fig.add_subplot(grid[1, 0], sharex=ax)
-    for i, name in enumerate(names):
-        s = sched[name]
-        marks.plot(hours[s - 1], np.full(s.size, i), "|", ms=9)
-    marks.set_yticks(range(len(names)), names, fontsize=7)
-    marks.set_xlabel("hours (checkpoint marks per policy)")
-    bars = fig.add_subplot(grid[:, 1])
-    labels = [f"{c[:16]}/{s}" for c, s, _ in cases]
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ratio = [
-            r[name].weighted_overhead_s / min(r[k].weighted_overhead_s for k in CLASSIC)
-            for _, _, r in cases
-        ]
-        bars.bar(np.arange(len(cases)) + i * width, ratio, width, label=name)
-    bars.axhline(1.0, color="k", lw=0.5)
-    bars.set_ylim(0.5, 1.3)
-    bars.set_xticks(np.arange(len(cases)) + 0.4, labels, rotation=90, fontsize=6)
-    bars.set_ylabel("weighted overhead / best of young, daly, checkfreq (coci_paper off scale)")
-    bars.legend(fontsize=7, ncol=3)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, key, title in (
+        (axes[0], "capture", "coci (total_steps given)"),
+        (axes[1], "capture_nt", "coci without total_steps"),
+    ):
+        for marker, subset in (("o", "shared"), ("s", "tune"), ("^", "holdout")):
+            for scen, color in (("A", "C0"), ("B", "C1")):
+                sel = [r for r in rows if r["set"] == subset and r["scen"] == scen]
+                ax.scatter(
+                    [r["bound_red"] for r in sel], [np.clip(r[key], -0.5, 1.05) for r in sel],
+                    marker=marker, color=color, s=22, label=f"{subset} {scen}",
+                )  # fmt: skip
+        ax.axhline(0.9, color="k", lw=0.5, ls="--")
+        ax.axhline(0.0, color="k", lw=0.5)
+        ax.set_xlabel("optimum's reduction against the best classic policy")
+        ax.set_title(title)
+    axes[0].set_ylabel("capture of the optimum's reduction (clipped to [-0.5, 1.05])")
+    axes[0].legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(OUT / "policy_bench.png", dpi=110)
     fig.savefig(DOC_PNG, dpi=80)
     plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=1000)
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--trials", type=int, default=1000, help="Monte Carlo trials (scenario C)")
+    ap.add_argument("--shared", type=Path, default=SHARED, help="the shared curves' directory")
     ap.add_argument("--curves", nargs="*", help="substrings of curve names to run")
+    ap.add_argument("--write", action="store_true", help="record the tables in BENCHMARKS.md")
     args = ap.parse_args()
-    paths = sorted(CURVES.glob("*.csv"))
+    data = curves(args.shared)
     if args.curves:
-        paths = [p for p in paths if any(c in p.name for c in args.curves)]
-    if not paths:
-        raise SystemExit(f"No loss curves found under {CURVES}.")
-    console = Console(width=180)
+        data = [c for c in data if any(s in c[0] for s in args.curves)]
+    if not data:
+        raise SystemExit(f"No loss curves found under {args.shared} or {OWN}.")
+    console = Console(width=200)
     t_start = time.perf_counter()
-    cases, best_case, rows, fc_rows = [], None, [], []
-    for path in paths:
-        # The failure draws depend on the curve only: the same for every policy and every run.
-        seed = zlib.crc32(path.stem.encode())
-        y = load_curve(path)
+    rows = []
+    for name, subset, y in data:
+        seed = zlib.crc32(name.encode())  # the same failure draws for every policy and run
         for sname, sc in SCENARIOS.items():
-            res, sched, _ = run_case(y, sc, args.trials, seed)
-            cases.append((path.stem, sname, res))
-            classic = min(res[k].weighted_overhead_s for k in CLASSIC)
-            red = 1.0 - res["coci"].weighted_overhead_s / classic
-            hred = 1.0 - res["hindsight"].weighted_overhead_s / classic
-            row = dict(
-                curve=path.stem,
-                scen=sname,
-                n=y.size,
-                classic=classic,
-                coci=res["coci"].weighted_overhead_s,
-                nototal=res["coci_no_total"].weighted_overhead_s,
-                paper=res["coci_paper"].weighted_overhead_s,
-                hind=res["hindsight"].weighted_overhead_s,
-                red=red,
-                hred=hred,
-                capture=red / hred if hred > 0 else float("nan"),
-                wall=res["coci"].wall_overhead_s / res["young"].wall_overhead_s,
-                se=res["coci"].weighted_overhead_se,
-                saves=len(sched["coci"]),
-                hsaves=len(sched["hindsight"]),
+            rows.append(
+                dict(curve=name, set=subset, scen=sname, **run_case(y, sc, args.trials, seed))
             )
-            rows.append(row)
-            # The marks plot shows the longest curve (per-step, most detail), scenario A.
-            if sname == "A" and (best_case is None or y.size > best_case[0]):
-                best_case = (y.size, (path.stem, sname, y, sched))
-        row_fc = forecast_errors(y)
-        fc_rows.append((path.stem, row_fc))
+            r = rows[-1]
+            console.print(
+                f"{name[:40]:40s} {subset:7s} {sname} capture {r['capture']:6.0%} "
+                f"no-total {r['capture_nt']:6.0%} bound {r['bound_red']:5.1%}",
+                highlight=False,
+            )
     elapsed = time.perf_counter() - t_start
-    cost = update_cost_us()
     speed = speed_checks()
 
-    table = Table(
-        title=f"policy_bench: weighted overhead (s), time_weight {TIME_WEIGHT}, "
-        f"{args.trials} trials"
-    )
-    for col in (
-        "curve",
-        "scen",
-        "rows",
-        "best classic",
-        "coci",
-        "coci no total",
-        "coci_paper",
-        "hindsight",
-        "coci red.",
-        "bound red.",
-        "capture",
-        "wall/young",
-        "saves c/h",
-    ):
-        table.add_column(col, justify="right" if col not in ("curve",) else "left")
+    table = Table(title=f"policy_bench: weighted overhead (s), time_weight {TIME_WEIGHT}")
+    cols = ["curve", "set", "scen", "rows", "best classic", "coci", "coci no total", "coci_paper",
+            "bound", "bound red.", "capture", "capture no total", "coci wall / young"]  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("curve", "set") else "right")
     for r in rows:
+        res = r["res"]
         table.add_row(
-            r["curve"][:34],
-            r["scen"],
-            str(r["n"]),
-            f"{r['classic']:.0f}",
-            f"{r['coci']:.0f}",
-            f"{r['nototal']:.0f}",
-            f"{r['paper']:.0f}",
-            f"{r['hind']:.0f}",
-            f"{100 * r['red']:.1f}%",
-            f"{100 * r['hred']:.1f}%",
-            f"{100 * r['capture']:.0f}%",
-            f"{r['wall']:.2f}",
-            f"{r['saves']}/{r['hsaves']}",
-        )
+            r["curve"][:36], r["set"], r["scen"], str(r["n"]), f"{r['classic']:.0f}",
+            f"{res['coci'][0]:.0f}", f"{res['coci no total'][0]:.0f}",
+            f"{res['coci_paper'][0]:.3g}", f"{r['bound']:.0f}", f"{r['bound_red']:.1%}",
+            f"{r['capture']:.0%}", f"{r['capture_nt']:.0%}", f"{r['wall_vs_young']:.2f}",
+        )  # fmt: skip
     console.print(table)
-
-    reds = [r["red"] for r in rows]
-    reds_ab = [r["red"] for r in rows if r["scen"] in ("A", "B")]
-    hreds_ab = [r["hred"] for r in rows if r["scen"] in ("A", "B")]
-    caps = [r["capture"] for r in rows if math.isfinite(r["capture"])]
-    walls = [r["wall"] for r in rows]
-    beat_paper = sum(r["coci"] < r["paper"] for r in rows)
-    us = cost["coci"]
-    ok = lambda b: "met" if b else "NOT met"
-    targets = [
-        (
-            "median reduction vs best classic >= 15%",
-            f"{100 * statistics.median(reds):.1f}%",
-            ok(statistics.median(reds) >= 0.15),
-        ),
-        # The issue requires scenarios A and B; C (Weibull) is an addition, so report both.
-        (
-            "  same, scenarios A+B only",
-            f"{100 * statistics.median(reds_ab):.1f}% "
-            f"(bound {100 * statistics.median(hreds_ab):.1f}%)",
-            ok(statistics.median(reds_ab) >= 0.15),
-        ),
-        ("best reduction >= 25%", f"{100 * max(reds):.1f}%", ok(max(reds) >= 0.25)),
-        ("no case worse by more than 5%", f"worst {100 * min(reds):.1f}%", ok(min(reds) >= -0.05)),
-        (
-            "median capture of the hindsight reduction >= 70%",
-            f"{100 * statistics.median(caps):.0f}%",
-            ok(statistics.median(caps) >= 0.70),
-        ),
-        (
-            "wall overhead <= 1.4x Young's in every case",
-            f"max {max(walls):.2f}x",
-            ok(max(walls) <= 1.4),
-        ),
-        (
-            "lower weighted overhead than coci_paper in most cases",
-            f"{beat_paper}/{len(rows)}",
-            ok(beat_paper > len(rows) / 2),
-        ),
-        ("update <= 200 us per call after jit", f"{us:.0f} us", ok(us <= 200)),
-    ]
-    summary = Table(title="targets")
-    for col in ("target", "measured", "status"):
-        summary.add_column(col)
-    for t in targets:
-        summary.add_row(*t)
-    console.print(summary)
-    fc = Table(title="forecast error of the drop still to come / whole drop, at fraction of job")
-    fc.add_column("curve")
-    for f in FRACTIONS:
-        fc.add_column(f"{f:g}", justify="right")
-    for name, errs in fc_rows:
-        fc.add_row(name[:34], *(f"{e:+.2f}" for e in errs))
-    med = np.median(np.abs([e for _, e in fc_rows]), axis=0)
-    fc.add_row("median |error|", *(f"{e:.2f}" for e in med))
-    console.print(fc)
-    console.print(f"update cost (median us/call): {cost}; cases ran in {elapsed:.0f} s; {speed}")
-
-    if args.no_write:
+    groups = {
+        "shared curves, A+B (the issue's targets)": (("shared",), ("A", "B")),
+        "own curves, tune split, A+B": (("tune",), ("A", "B")),
+        "own curves, holdout split, A+B (never tuned on)": (("holdout",), ("A", "B")),
+        "all curves, C (Weibull; heuristic bound)": (("shared", "tune", "holdout"), ("C",)),
+    }
+    summaries = {k: summarise(rows, *v) for k, v in groups.items()}
+    for title, s in summaries.items():
+        if not s:
+            continue
+        t = Table(title=f"targets: {title} ({s['cases']} cases)")
+        for col in ("target", "measured", "status"):
+            t.add_column(col)
+        for row in targets(s):
+            t.add_row(*row)
+        console.print(t)
+    console.print(f"cases ran in {elapsed:.0f} s; {speed}")
+    if not args.write:
         return
-    plot([(c, s, r) for c, s, r in cases], best_case[1])
+    plot(rows)
     lines = [
         "## Policy benchmark (`benchmarks/policy_bench.py`)",
         "",
         f"Machine: {machine()}.",
-        f"Command: `python benchmarks/policy_bench.py --trials {args.trials}` "
+        f"Command: `python benchmarks/policy_bench.py --trials {args.trials} --write` "
         f"({elapsed:.0f} s for the cases).",
         "",
-        "Each curve of `../shared/loss_curves` is stretched to an 8-hour job; scenarios "
-        "A: MTBF 2 h, C 30 s, R 120 s (Poisson); B: MTBF 48 min, C 10 s, R 60 s (Poisson); "
-        "C: as A with Weibull shape 0.7. Weighted overhead in seconds (time_weight 0.25, "
-        "hindsight weights), mean over the same failure draws for every policy. "
-        "`coci` gets `total_steps`; `coci no total` does not. Reductions are against the best "
-        "of young/daly/checkfreq per case; capture = coci reduction / hindsight-bound reduction.",
+        "Each curve is stretched to an 8-hour job. A: MTBF 2 h, C 30 s, R 120 s (Poisson); "
+        "B: MTBF 48 min, C 10 s, R 60 s (Poisson); C: as A with Weibull shape 0.7. Weighted "
+        "overhead in seconds (time_weight 0.25, hindsight weights). A and B are exact "
+        "expectations and their bound is the exact optimum (DP); C is Monte Carlo (common "
+        "random numbers) against a heuristic bound. Capture = (best classic - policy) / "
+        "(best classic - bound). `coci` gets `total_steps`; `coci no total` does not.",
         "",
-        "| curve | scen | rows | best classic | coci | coci no total | coci_paper | hindsight "
-        "| coci red. | bound red. | capture | coci wall / young wall | saves coci/bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
     ]
     for r in rows:
+        res = r["res"]
         lines.append(
-            f"| {r['curve']} | {r['scen']} | {r['n']} | {r['classic']:.0f} | {r['coci']:.0f} "
-            f"± {r['se']:.0f} | {r['nototal']:.0f} | {r['paper']:.0f} | {r['hind']:.0f} "
-            f"| {100 * r['red']:.1f}% | {100 * r['hred']:.1f}% | {100 * r['capture']:.0f}% "
-            f"| {r['wall']:.2f} | {r['saves']}/{r['hsaves']} |"
+            f"| {r['curve']} | {r['set']} | {r['scen']} | {r['n']} | {r['classic']:.0f} "
+            f"| {res['coci'][0]:.0f} | {res['coci no total'][0]:.0f} "
+            f"| {res['coci_paper'][0]:.3g} | {r['bound']:.0f} | {r['bound_red']:.1%} "
+            f"| {r['capture']:.0%} | {r['capture_nt']:.0%} | {r['wall_vs_young']:.2f} |"
         )
-    lines += ["", NOTE]
+    for title, s in summaries.items():
+        if not s:
+            continue
+        lines += ["", f"Targets, {title} ({s['cases']} cases):", "",
+                  "| target | measured | status |", "|---|---|---|"]  # fmt: skip
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(s)]
     lines += [
         "",
-        "Targets (issue 2), `coci(time_weight=0.25, total_steps=n)`:",
-        "",
-        "| target | measured | status |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in targets]
-    lines += [
-        "",
-        "Forecast error of the convergence model (forecast drop still to come minus "
-        "the hindsight drop, over the whole drop; fitted on the first f of the curve, "
-        "negative = too little):",
-        "",
-        "| curve | " + " | ".join(f"f={f:g}" for f in FRACTIONS) + " |",
-        "|---|" + "---|" * len(FRACTIONS),
-    ]
-    lines += [
-        f"| {name} | " + " | ".join(f"{e:+.2f}" for e in errs) + " |" for name, errs in fc_rows
-    ]
-    lines += ["| median abs | " + " | ".join(f"{e:.2f}" for e in med) + " |"]
-    lines += [
-        "",
-        "`update` cost, median of 1900 jitted eager calls incl. the host sync: "
-        + ", ".join(f"{k} {v:.0f} µs" for k, v in cost.items())
-        + ".",
-        "",
-        f"`cj.plan` of `coci` over 20,000 steps after compilation: "
-        f"{speed['plan_20k_s']:.3f} s; `cj.sim.simulate`, 1000 trials x 20,000 steps "
-        f"(MTBF 48 min): {speed['simulate_1000x20k_s']:.2f} s.",
+        f"`cj.plan` of `coci` over 20,000 steps after compilation: {speed['plan_20k_s']:.2f} s; "
+        f"one coci re-plan (jitted, 128 bins): {speed['replan_ms']:.2f} ms (median); "
+        f"`cj.sim.optimal_schedule` of 20,000 steps: {speed['optimal_20k_s']:.2f} s.",
         "",
         "![policy benchmark](docs/policy_bench.png)",
     ]

@@ -14,11 +14,13 @@ from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, you
 from cocijax.policies._coci import CociState, coci
 from cocijax.policies._paper import coci_paper
 from cocijax.policies._plan import Batch, next_check, plan, update_many
+from cocijax.policies._runner import Runner
 
 __all__ = [
     "Batch",
     "CociState",
     "Policy",
+    "Runner",
     "by_name",
     "checkfreq",
     "coci",

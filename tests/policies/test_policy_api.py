@@ -225,32 +225,23 @@ def test_no_save_before_the_check_step_whatever_the_inputs(name):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_skipping_to_the_checks_and_batching_decides_like_every_step(name):
-    """What the manager does: skip steps before next_check, feed them with the check step."""
+def test_the_runner_decides_like_a_call_per_step(name):
+    """Runner skips steps before next_check and feeds them with the check step, in batches."""
     policy = POLICIES[name]
     losses, step_times, costs = _inputs()
     every_step = cj.plan(losses, policy, step_time_s=step_times, checkpoint_cost_s=costs)
-    run = cj.policies.update_many(policy)
-    state, pending, saves, dispatches = policy.init(), [], [], 0
+    runner = cj.policies.Runner(policy)
+    checks = 0
+    saves = []
     for s in range(1, N + 1):
-        pending.append((s, losses[s - 1], step_times[s - 1], costs[s - 1]))
-        if s < int(cj.policies.next_check(state)):
-            continue
-        # Fixed-size chunks: one compilation whatever the number of skipped steps.
-        while pending:
-            chunk, pending = pending[:16], pending[16:]
-            rows = chunk + [(0, np.nan, np.nan, np.nan)] * (16 - len(chunk))
-            cols = list(zip(*rows, strict=True))
-            nan = np.full(16, np.nan, np.float32)
-            batch = cj.policies.Batch(
-                np.asarray(cols[0], np.int32), np.asarray(cols[1], np.float32),
-                np.asarray(cols[2], np.float32), np.asarray(cols[3], np.float32), nan, nan,
-                np.arange(16) < len(chunk),
-            )  # fmt: skip
-            save, state = run(state, batch)
-            dispatches += 1
-        if bool(save):
+        checks += s >= runner.next_check
+        save = runner.update(
+            s, loss=jax.numpy.float32(losses[s - 1]), step_time_s=float(step_times[s - 1]),
+            checkpoint_cost_s=float(costs[s - 1]),
+        )  # fmt: skip
+        assert type(save) is bool
+        if save:
             saves.append(s)
     np.testing.assert_array_equal(np.asarray(saves, np.int64), every_step)
-    if name not in ("coci_paper",):
-        assert dispatches < N  # the point of it: fewer dispatches than steps
+    if name != "coci_paper":  # it checks every step by design
+        assert checks < N  # the point of it: fewer dispatches than steps

@@ -1,0 +1,147 @@
+"""``Runner``: a policy in a training loop, at the cost of an integer comparison per step.
+
+Calling ``policy.update`` at every step costs a dispatch and, to branch on its answer, a device
+sync. A policy cannot save before ``next_check(state)`` (see :mod:`cocijax.policies._base`), so
+the runner only records the inputs of those steps; at a check step it feeds them, with the
+current one, to :func:`update_many` in one dispatch, and answers with a plain ``bool``. The
+decisions are those of one ``update`` call per step. Losses may be unfinished ``jax.Array``s:
+they are read at the check, when their steps are done.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, final
+
+import jax
+import numpy as np
+
+from cocijax.policies._base import Policy
+from cocijax.policies._plan import Batch, next_check, update_many
+
+# Steps fed per dispatch (padded): one compilation whatever the number of skipped steps.
+BATCH = 64
+
+
+@final
+class Runner:
+    """Feeds a policy step by step; returns plain bools; dispatches only at check steps.
+
+    Args:
+      policy: a :class:`~cocijax.policies.Policy`.
+      broadcast: applied to the ``(steps, 5)`` float32 array of recorded inputs (loss, step
+        time, cost, MTBF, recovery) before they reach the policy, e.g. a broadcast from process
+        0 so that every process of a job takes the same decisions; ``None`` uses them as they
+        are.
+
+    Example:
+      >>> import numpy as np, cocijax as cj
+      >>> runner = cj.policies.Runner(cj.policies.young(mtbf_s=3600.0))
+      >>> saves = [s for s in range(1, 1001)
+      ...          if runner.update(s, loss=1.0 / s, step_time_s=1.0, checkpoint_cost_s=10.0)]
+      >>> saves[:3]
+      [268, 536, 804]
+    """
+
+    def __init__(
+        self, policy: Policy, *, broadcast: Callable[[np.ndarray], np.ndarray] | None = None
+    ):
+        init, update = getattr(policy, "init", None), getattr(policy, "update", None)
+        if not (callable(init) and callable(update)):
+            raise TypeError(
+                "policy: expected a cocijax.policies.Policy (an (init, update) pair, e.g. "
+                f"cj.policies.coci()), got {type(policy).__name__}."
+            )
+        self.policy = policy
+        self._broadcast = broadcast
+        self._update_many = update_many(policy)
+        # The policy runs on the host CPU: on an accelerator its tiny update would queue behind
+        # the training step, and reading its decision would wait for the device.
+        self._device = jax.local_devices(backend="cpu")[0]
+        self.state = policy.init()
+        self._pending: list[tuple[int, Any, float, float, float, float]] = []
+
+    @property
+    def state(self) -> Any:
+        """The policy state after every step given so far (feeds the recorded ones first)."""
+        self.flush()
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._pending = []
+        self._state = jax.device_put(value, self._device)
+        self._next_check = int(next_check(self._state))
+
+    @property
+    def next_check(self) -> int:
+        """The first step at which :meth:`update` may return True."""
+        return self._next_check
+
+    def compile(self) -> None:
+        """Compiles the batched update now, so that no training step pays for it."""
+        jax.block_until_ready(self._update_many(self._state, _batch([], 0)))
+
+    def update(
+        self,
+        step: int,
+        *,
+        loss: Any,
+        step_time_s: float,
+        checkpoint_cost_s: float,
+        mtbf_s: float = math.nan,
+        recovery_s: float = math.nan,
+    ) -> bool:
+        """Reports one completed step; True when the policy says to checkpoint after it.
+
+        Arguments are those of ``Policy.update``; ``loss`` may be a number or a one-element
+        array (read only at the next check).
+        """
+        self._pending.append(
+            (int(step), loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s)
+        )
+        if step < self._next_check:
+            return False
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Feeds the recorded steps to the policy; returns the decision of the last one."""
+        if not self._pending:
+            return False
+        steps = [row[0] for row in self._pending]
+        values = np.asarray(
+            [(_read(loss), *rest) for _, loss, *rest in self._pending], np.float32
+        ).reshape(len(steps), 5)
+        self._pending = []
+        if self._broadcast is not None:
+            values = np.asarray(self._broadcast(values), np.float32)
+        save = False
+        for start in range(0, len(steps), BATCH):
+            rows = list(zip(steps[start : start + BATCH], values[start : start + BATCH]))
+            save, self._state = self._update_many(self._state, _batch(rows, len(rows)))
+        self._next_check = int(next_check(self._state))
+        return bool(save)
+
+
+def _read(loss: Any) -> float:
+    if isinstance(loss, jax.Array) and not loss.is_fully_addressable:
+        loss = loss.addressable_data(0)  # a globally sharded scalar: this process's copy
+    return float(np.asarray(loss).reshape(-1)[0]) if np.size(loss) else math.nan
+
+
+def _batch(rows: list[tuple[int, np.ndarray]], valid: int) -> Batch:
+    """A :class:`Batch` of ``BATCH`` rows, the first ``valid`` of them real."""
+    values = np.full((BATCH, 5), np.nan, np.float32)
+    steps = np.zeros(BATCH, np.int32)
+    for i, (step, row) in enumerate(rows):
+        steps[i], values[i] = step, row
+    return Batch(
+        step=steps,
+        loss=values[:, 0],
+        step_time_s=values[:, 1],
+        checkpoint_cost_s=values[:, 2],
+        mtbf_s=values[:, 3],
+        recovery_s=values[:, 4],
+        valid=np.arange(BATCH) < valid,
+    )
