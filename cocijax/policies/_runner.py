@@ -98,9 +98,7 @@ class Runner:
         Arguments are those of ``Policy.update``; ``loss`` may be a number or a one-element
         array (read only at the next check).
         """
-        self._pending.append(
-            (int(step), loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s)
-        )
+        self._pending.append((int(step), loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s))
         if step < self._next_check:
             return False
         return self.flush()
@@ -118,7 +116,8 @@ class Runner:
             values = np.asarray(self._broadcast(values), np.float32)
         save = False
         for start in range(0, len(steps), BATCH):
-            rows = list(zip(steps[start : start + BATCH], values[start : start + BATCH]))
+            end = start + BATCH
+            rows = list(zip(steps[start:end], values[start:end], strict=True))
             save, self._state = self._update_many(self._state, _batch(rows, len(rows)))
         self._next_check = int(next_check(self._state))
         return bool(save)
