@@ -1,9 +1,10 @@
-"""The commands behind ``cocijax`` (see :mod:`cocijax.cli`), imported lazily."""
+"""The commands behind ``cocijax`` (see :mod:`cocijax.cli`); they import JAX when they run."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import importlib.util
 import inspect
 import math
@@ -17,8 +18,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cocijax import _units
-from cocijax.cli import POLICY_NAMES, CliError
+from cocijax.cli import _units
+from cocijax.cli._errors import EXIT_BAD_INPUT, EXIT_DAMAGED, EXIT_OK, CliError
+
+# Layout written by cocijax.CheckpointManager: DIR/<step>/state/ holds the storage manifest
+# (and, without external roots, the stripes); cocijax.torch writes DIR/<step>/cocijax.json.
+TORCH_METADATA = "cocijax.json"
 
 
 def _stdout() -> Console:
@@ -27,6 +32,7 @@ def _stdout() -> Console:
 
 
 def _progress() -> Progress:
+    """A progress bar on stderr, only where someone watches it (no stray output in logs)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -34,6 +40,7 @@ def _progress() -> Progress:
         TimeElapsedColumn(),
         console=Console(stderr=True),
         transient=True,
+        disable=not sys.stderr.isatty(),
     )
 
 
@@ -51,40 +58,41 @@ def read_losses(path: str | Path) -> LossHistory:
     Empty cells and ``nan`` are missing values (NaN). Without a ``step`` column rows count 1, 2, ...
 
     Raises:
-      CliError: (status 2) when the file is missing, has no ``loss`` column, no rows, or a
-        cell that is not a number; the message names the file and line.
+      CliError: (status 2) when the file is missing, is not text, has no ``loss`` column, no
+        rows, or a cell that is not a number; the message names the file (and line).
     """
     path = Path(path)
     if not path.is_file():
-        raise CliError(f"no such file: {path}", code=2)
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = [h.strip().lower() for h in next(reader, [])]
-        if "loss" not in header:
-            raise CliError(f"{path}: expected a header with a 'loss' column, got {header}", 2)
-        li = header.index("loss")
-        si = header.index("step") if "step" in header else None
-        steps, losses = [], []
-        for lineno, row in enumerate(reader, start=2):
-            if not row or all(not c.strip() for c in row):
-                continue
-            try:
-                cell = row[li].strip() if li < len(row) else ""
-                losses.append(float(cell) if cell else math.nan)
-                steps.append(int(float(row[si])) if si is not None else len(losses))
-            except (ValueError, IndexError):
-                raise CliError(f"{path}:{lineno}: not a number in row {row}", code=2) from None
+        raise CliError(f"no such file: {path}")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise CliError(f"{path}: not a CSV text file ({e.__class__.__name__})") from None
+    header = [h.strip().lower() for h in (rows[0] if rows else [])]
+    if "loss" not in header:
+        raise CliError(f"{path}: expected a header with a 'loss' column, got {header}")
+    li = header.index("loss")
+    si = header.index("step") if "step" in header else None
+    steps, losses = [], []
+    for lineno, row in enumerate(rows[1:], start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        try:
+            cell = row[li].strip() if li < len(row) else ""
+            losses.append(float(cell) if cell else math.nan)
+            steps.append(int(float(row[si])) if si is not None else len(losses))
+        except (ValueError, IndexError):
+            raise CliError(f"{path}:{lineno}: not a number in row {row}") from None
     if not losses:
-        raise CliError(f"{path}: no data rows", code=2)
+        raise CliError(f"{path}: no data rows")
     return LossHistory(np.asarray(steps, np.int64), np.asarray(losses, np.float64))
 
 
-def _make_policy(name: str, args: argparse.Namespace, n_steps: int):
-    import cocijax as cj
+def make_policy(name: str, args: argparse.Namespace, n_steps: int):
+    """The policy ``name`` from the registry, given the arguments of ``plan`` it takes."""
+    from cocijax import policies
 
-    ctor = getattr(cj.policies, name, None)
-    if ctor is None:
-        raise CliError(f"policy {name!r} is not available in this cocijax", code=2)
     candidates = {
         "mtbf_s": args.mtbf,
         "recovery_s": args.recovery,
@@ -95,8 +103,8 @@ def _make_policy(name: str, args: argparse.Namespace, n_steps: int):
         # The stall is known here, so it also serves as the prior before the first "save".
         "cost_prior_s": args.ckpt_cost,
     }
-    params = inspect.signature(ctor).parameters
-    return ctor(**{k: v for k, v in candidates.items() if k in params})
+    params = inspect.signature(getattr(policies, name)).parameters
+    return policies.by_name(name, **{k: v for k, v in candidates.items() if k in params})
 
 
 class PlanRow(NamedTuple):
@@ -104,21 +112,45 @@ class PlanRow(NamedTuple):
     save_steps: np.ndarray  # 1-based rows after which the policy saves
     wall_overhead_s: float
     weighted_overhead_s: float
+    finished: float  # fraction of simulated jobs that finished (see cj.sim.SimResult)
+
+
+OPTIMAL = "optimal, in hindsight"
 
 
 def plan_policies(history: LossHistory, names, args: argparse.Namespace) -> list[PlanRow]:
-    """Runs ``cj.plan`` and ``cj.sim.simulate`` for each named policy (with a progress bar)."""
+    """Plans and simulates each named policy, then the exact optimum (Poisson failures only)."""
     import cocijax as cj
-    from cocijax import sim
 
     n = len(history.losses)
-    weights = sim.progress_weights(history.losses, args.time_weight)
+    weights = cj.sim.progress_weights(history.losses, args.time_weight)
+    job = dict(
+        n_steps=n,
+        step_time_s=args.step_time,
+        checkpoint_cost_s=args.ckpt_cost,
+        recovery_s=args.recovery,
+        mtbf_s=args.mtbf,
+    )
+
+    def score(name: str, saves: np.ndarray) -> PlanRow:
+        res = cj.sim.simulate(
+            saves,
+            weibull_shape=args.weibull_shape,
+            weights=weights,
+            trials=args.trials,
+            seed=args.seed,
+            **job,
+        )
+        return PlanRow(
+            name, saves, res.wall_overhead_s, res.weighted_overhead_s, float(res.finished)
+        )
+
     rows = []
     with _progress() as progress:
-        task = progress.add_task("planning", total=len(names))
+        task = progress.add_task("planning", total=len(names) + 1)
         for name in names:
             progress.update(task, description=f"planning {name}")
-            policy = _make_policy(name, args, n)
+            policy = make_policy(name, args, n)
             saves = np.asarray(
                 cj.plan(
                     history.losses,
@@ -127,33 +159,31 @@ def plan_policies(history: LossHistory, names, args: argparse.Namespace) -> list
                     checkpoint_cost_s=args.ckpt_cost,
                 )
             )
-            res = sim.simulate(
-                saves,
-                n_steps=n,
-                step_time_s=args.step_time,
-                checkpoint_cost_s=args.ckpt_cost,
-                recovery_s=args.recovery,
-                mtbf_s=args.mtbf,
-                weibull_shape=args.weibull_shape,
-                weights=weights,
-                trials=args.trials,
-                seed=args.seed,
-            )
-            rows.append(
-                PlanRow(name, saves, float(res.wall_overhead_s), float(res.weighted_overhead_s))
-            )
+            rows.append(score(name, saves))
             progress.advance(task)
+        if args.weibull_shape == 1.0:
+            progress.update(task, description="optimal schedule")
+            kw = {k: job[k] for k in ("step_time_s", "checkpoint_cost_s", "recovery_s", "mtbf_s")}
+            rows.append(score(OPTIMAL, cj.sim.optimal_schedule(weights, **kw)))
+        progress.advance(task)
     return rows
 
 
 def plan(args: argparse.Namespace) -> int:
     if args.policy == "fixed" and args.every is None:
-        raise CliError("cocijax plan: error: --policy fixed needs --every N", code=2)
-    if args.plot is not None and not Path(args.plot).resolve().parent.is_dir():
-        raise CliError(f"cannot write --plot {args.plot}: no such directory", code=2)
+        raise CliError("cocijax plan: error: --policy fixed needs --every N")
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError(
+                "--plot needs matplotlib, which is not installed: pip install 'cocijax[plot]'"
+            )
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise CliError(f"cannot write --plot {args.plot}: no such directory")
     history = read_losses(args.losses)
     if args.policy == "all":
-        names = [p for p in POLICY_NAMES if p != "fixed" or args.every is not None]
+        from cocijax.policies import _by_name
+
+        names = [p for p in _by_name.CONSTRUCTORS if p != "fixed" or args.every is not None]
     else:
         names = [args.policy]
     rows = plan_policies(history, names, args)
@@ -162,34 +192,50 @@ def plan(args: argparse.Namespace) -> int:
     job_s = n * args.step_time
     out = _stdout()
     shape = "Poisson" if args.weibull_shape == 1.0 else f"Weibull k={args.weibull_shape:g}"
+    fmt = _units.format_duration
     out.print(
-        f"{args.losses}: {n} steps x {_units.format_duration(args.step_time)} = "
-        f"{_units.format_duration(job_s)} job\nMTBF {_units.format_duration(args.mtbf)} "
-        f"({shape}), checkpoint {_units.format_duration(args.ckpt_cost)}, recovery "
-        f"{_units.format_duration(args.recovery)}, time weight {args.time_weight:g}, "
-        f"{args.trials} simulated jobs per policy",
+        f"{args.losses}: {n} steps x {fmt(args.step_time)} = {fmt(job_s)} job\n"
+        f"MTBF {fmt(args.mtbf)} ({shape}), checkpoint {fmt(args.ckpt_cost)}, recovery "
+        f"{fmt(args.recovery)}, time weight {args.time_weight:g}, {args.trials} simulated "
+        "jobs per policy",
         markup=False,
     )
     table = Table(title="Expected overhead per policy (lower is better)")
-    table.add_column("policy")
-    table.add_column("checkpoints", justify="right")
-    table.add_column("mean interval", justify="right")
-    table.add_column("wall overhead", justify="right")
-    table.add_column("weighted overhead", justify="right")
-    best = min(r.weighted_overhead_s for r in rows)
+    for col, justify in (
+        ("policy", "left"),
+        ("checkpoints", "right"),
+        ("mean interval", "right"),
+        ("wall overhead", "right"),
+        ("weighted overhead", "right"),
+    ):
+        table.add_column(col, justify=justify)
+    finishing = [r.weighted_overhead_s for r in rows if r.finished == 1.0 and r.policy != OPTIMAL]
+    best = min(finishing, default=math.nan)
     for r in rows:
         k = len(r.save_steps)
-        interval = _units.format_duration(job_s / k) if k else "-"
-        wall = f"{_units.format_duration(r.wall_overhead_s)} ({r.wall_overhead_s / job_s:.1%})"
-        weighted = _units.format_duration(r.weighted_overhead_s)
-        if r.weighted_overhead_s == best and len(rows) > 1:
-            weighted = f"[bold]{weighted}[/bold]"
+        interval = fmt(job_s / k) if k else "-"
+        if r.finished < 1.0:
+            # Abandoned jobs would only show a lower bound: say what it means instead.
+            wall = weighted = f"cannot finish ({r.finished:.0%} of jobs did)"
+        else:
+            wall = f"{fmt(r.wall_overhead_s)} ({r.wall_overhead_s / job_s:.1%})"
+            weighted = fmt(r.weighted_overhead_s)
+            if r.weighted_overhead_s == best and len(finishing) > 1:
+                weighted = f"[bold]{weighted}[/bold]"
         table.add_row(r.policy, str(k), interval, wall, weighted)
     out.print(table)
+    if any(r.finished < 1.0 for r in rows):
+        out.print(
+            "A schedule that cannot finish needs about exp(segment / MTBF) restarts per "
+            "segment: at this failure rate it must save more often.",
+            markup=False,
+        )
+    if args.weibull_shape != 1.0:
+        out.print("(no optimal row: the exact optimum is computed for Poisson failures only)")
     if args.plot is not None:
         plot_plan(history, rows, args.plot)
         out.print(f"wrote {args.plot}", markup=False)
-    return 0
+    return EXIT_OK
 
 
 def plot_plan(history: LossHistory, rows: list[PlanRow], path: str) -> None:
@@ -214,13 +260,14 @@ def plot_plan(history: LossHistory, rows: list[PlanRow], path: str) -> None:
     ax_loss.set_title("Loss, checkpoints of each policy, and checkpoints so far")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(rows):
-        color = colors[i % len(colors)]
+        color = "k" if r.policy == OPTIMAL else colors[i % len(colors)]
         idx = r.save_steps.astype(int) - 1
         # The marks sit under the curve on a shared step axis, one row per policy.
         ax_marks.eventplot(x[idx], lineoffsets=n_pol - 1 - i, linelengths=0.7, colors=color)
         cum = np.zeros(len(x))
         cum[idx] = 1
-        ax_cum.step(x, np.cumsum(cum), where="post", color=color, label=r.policy)
+        style = "--" if r.policy == OPTIMAL else "-"
+        ax_cum.step(x, np.cumsum(cum), style, where="post", color=color, label=r.policy)
     ax_marks.set_yticks(range(n_pol), [r.policy for r in reversed(rows)], fontsize=8)
     ax_marks.set_ylim(-0.6, n_pol - 0.4)
     ax_cum.set_xlabel("step")
@@ -232,22 +279,10 @@ def plot_plan(history: LossHistory, rows: list[PlanRow], path: str) -> None:
 
 
 # ------------------------------------------------------------------------------- ls, verify
-# Layout written by cocijax.CheckpointManager: DIR/<step>/state/ holds the storage manifest
-# (and, without external roots, the stripes); cocijax.torch writes DIR/<step>/cocijax.json.
-STATE_ITEM = "state"
-TORCH_METADATA = "cocijax.json"
-
-
 class StepDir(NamedTuple):
     step: int
     path: Path
     kind: str  # "jax" (cocijax.CheckpointManager) or "torch" (cocijax.torch)
-
-
-def _is_item_dir(path: Path) -> bool:
-    from cocijax import storage
-
-    return (path / storage.MANIFEST_NAME).is_file()
 
 
 def find_steps(directory: str | Path) -> list[StepDir]:
@@ -256,9 +291,11 @@ def find_steps(directory: str | Path) -> list[StepDir]:
     Raises:
       CliError: (status 2) when ``directory`` is missing or holds steps cocijax did not write.
     """
+    from cocijax.manager._directory import STATE_ITEM
+
     directory = Path(directory)
     if not directory.is_dir():
-        raise CliError(f"no such directory: {directory}", code=2)
+        raise CliError(f"no such directory: {directory}")
     steps = []
     for entry in directory.iterdir():
         if not (entry.is_dir() and entry.name.isdigit()):
@@ -270,14 +307,19 @@ def find_steps(directory: str | Path) -> list[StepDir]:
         else:
             raise CliError(
                 f"{entry} is a step directory without a '{STATE_ITEM}' item or "
-                f"{TORCH_METADATA}: {directory} was not written by cocijax",
-                code=2,
+                f"{TORCH_METADATA}: {directory} is not a cocijax checkpoint directory"
             )
     return sorted(steps)
 
 
 def _tree_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _item(step: StepDir) -> Path:
+    from cocijax.manager._directory import STATE_ITEM
+
+    return step.path / STATE_ITEM
 
 
 def _step_size(step: StepDir) -> int:
@@ -287,7 +329,7 @@ def _step_size(step: StepDir) -> int:
     size = _tree_size(step.path)
     if step.kind == "jax":
         try:
-            extra = storage.referenced_stripe_dirs(step.path / STATE_ITEM)
+            extra = storage.referenced_stripe_dirs(_item(step))
         except (ValueError, OSError):
             extra = []
         # Stripes inside the step itself (roots=()) are not listed: _tree_size counted them.
@@ -299,101 +341,91 @@ def _step_time(step: StepDir) -> float:
     from cocijax import storage
 
     marker = (
-        step.path / STATE_ITEM / storage.MANIFEST_NAME
-        if step.kind == "jax"
-        else step.path / TORCH_METADATA
+        _item(step) / storage.MANIFEST_NAME if step.kind == "jax" else step.path / TORCH_METADATA
     )
     return (marker if marker.exists() else step.path).stat().st_mtime
 
 
-def _problems(step: StepDir) -> list:
-    """``cj.storage.verify`` problems of a JAX step; ``None`` for torch steps (no checksums)."""
-    from cocijax import storage
-
-    if step.kind == "torch":
-        return None
-    return storage.verify(step.path / STATE_ITEM)
-
-
 def ls(args: argparse.Namespace) -> int:
-    import datetime
+    from cocijax import storage
 
     steps = find_steps(args.directory)
     out = _stdout()
     if not steps:
         out.print(f"{args.directory}: no checkpoints", markup=False)
-        return 0
+        return EXIT_OK
     table = Table(title=escape(str(args.directory)))
-    for name, justify in (
-        ("step", "right"),
-        ("size", "right"),
-        ("time", "left"),
-        ("verified", "left"),
-    ):
+    for name, justify in (("step", "right"), ("size", "right"), ("time", "left")):
         table.add_column(name, justify=justify)
+    table.add_column("verified")
+    damaged = False
     with _progress() as progress:
         task = progress.add_task("reading", total=len(steps))
         for st in steps:
             if args.no_verify:
                 status = "-"
+            elif st.kind == "torch":
+                status = "n/a (torch: no checksums)"
+            elif problems := storage.verify(_item(st)):
+                damaged = True
+                status = f"[red]DAMAGED[/red] ({len(problems)} problem(s))"
             else:
-                problems = _problems(st)
-                if problems is None:
-                    status = "n/a (torch: no checksums)"
-                elif problems:
-                    status = f"[red]DAMAGED[/red] ({len(problems)} problem(s))"
-                else:
-                    status = "[green]ok[/green]"
+                status = "[green]ok[/green]"
             when = datetime.datetime.fromtimestamp(_step_time(st)).strftime("%Y-%m-%d %H:%M:%S")
             table.add_row(str(st.step), _units.format_size(_step_size(st)), when, status)
             progress.advance(task)
     out.print(table)
-    return 0
+    return EXIT_DAMAGED if damaged else EXIT_OK
 
 
 def verify(args: argparse.Namespace) -> int:
+    from cocijax import storage
+
     directory = Path(args.directory)
-    if directory.is_dir() and _is_item_dir(directory):
+    if directory.is_dir() and (directory / storage.MANIFEST_NAME).is_file():
         steps = [StepDir(-1, directory, "item")]  # DIR/<step>/state given directly
     else:
         steps = find_steps(directory)
         if args.step is not None:
-            chosen = [s for s in steps if s.step == args.step]
-            if not chosen:
+            steps = [s for s in steps if s.step == args.step]
+            if not steps:
                 raise CliError(
-                    f"no step {args.step} in {directory}; steps: {[s.step for s in steps]}", code=2
+                    f"no step {args.step} in {directory}; steps: "
+                    f"{[s.step for s in find_steps(directory)]}"
                 )
-            steps = chosen
-        steps = [s for s in steps if s.kind != "torch"]
-        if not steps:
-            raise CliError(f"no cocijax checkpoint with checksums in {directory}", code=1)
-    from cocijax import storage
-
     out = _stdout()
+    torch_steps = [s.step for s in steps if s.kind == "torch"]
+    steps = [s for s in steps if s.kind != "torch"]
     bad = 0
     with _progress() as progress:
         task = progress.add_task("verifying", total=len(steps))
         for st in steps:
-            item = st.path if st.kind == "item" else st.path / STATE_ITEM
+            item = st.path if st.kind == "item" else _item(st)
             where = str(item) if st.kind == "item" else f"step {st.step}"
             for p in storage.verify(item):
                 bad += 1
-                # Plain print: one unwrapped line per problem, for grep and logs.
+                # One unwrapped line per problem (for grep and logs): leaf, file, what.
                 leaf = p.leaf_path or "(no leaf)"
-                print(f"{where}: leaf {leaf}, file {p.file}: {p.message}", flush=True)
+                print(f"{where}: leaf {leaf}, file {p.file}: {p.what}", flush=True)
             progress.advance(task)
+    if torch_steps:
+        out.print(f"steps {torch_steps}: PyTorch checkpoints have no checksums", markup=False)
     if bad:
         print(f"cocijax verify: {bad} problem(s) in {directory}", file=sys.stderr)
-        return 1
+        return EXIT_DAMAGED
+    if not steps:
+        if not torch_steps:
+            out.print(f"{directory}: no checkpoints", markup=False)
+        return EXIT_OK
     label = "item" if steps[0].kind == "item" else f"{len(steps)} step(s)"
     out.print(f"OK: {label} verified in {directory}", markup=False)
-    return 0
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------ bench
 def _find_write_bench() -> Path | None:
     # The benchmark lives in the source tree next to the package, not inside it.
-    candidate = Path(__file__).resolve().parent.parent / "benchmarks" / "write_bench.py"
+    candidate = Path(__file__).resolve().parents[2] / "benchmarks" / "write_bench.py"
     return candidate if candidate.is_file() else None
 
 
@@ -403,15 +435,13 @@ def bench(argv: list[str]) -> int:
         raise CliError(
             "the write benchmark is not available: it ships in the source tree "
             "(benchmarks/write_bench.py); run from a git checkout installed with pip install -e",
-            code=1,
+            code=EXIT_BAD_INPUT,
         )
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))  # for the benchmarks' shared _report module
     spec = importlib.util.spec_from_file_location("cocijax_write_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "main"):
-        raise CliError(f"{path} has no main(argv) function", code=1)
     # The benchmark's argparse takes its program name from argv[0]: show how it was invoked.
     saved, sys.argv[0] = sys.argv[0], "cocijax bench"
     try:

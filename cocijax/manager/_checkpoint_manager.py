@@ -2,15 +2,16 @@
 
 The manager composes an ``ocp.CheckpointManager`` (exposed as ``.orbax``) that holds two items per
 step: ``state`` (the training state, written by :class:`cocijax.StripedCheckpointHandler`) and
-``policy`` (the policy's state and the manager's measurements, see ``_policy_item``). Orbax keeps
+``policy`` (the policy's state and the job's measurements, see ``_policy_item``). Orbax keeps
 doing what it already does well: atomic commit of step directories, asynchronous finalisation,
 ``max_to_keep``/``keep_period``/preservation policies. The manager adds what Orbax cannot know:
 
 * **When to save.** ``save`` is called every step; a :mod:`cocijax.policies` policy decides, fed
-  with times the manager measures itself (no user input).
+  by the shared driver (``_driver``) with times it measures itself and the job's failure rate
+  and recovery time, learned from the directory's history (``_history``).
 * **Stripes outside the step directory.** With external ``roots`` a step's data lives on other
-  file systems, so deleting the step directory is not enough: the manager removes the stripes no
-  committed step references, after each save has finished and at start-up (crash leftovers).
+  file systems, so deleting the step directory is not enough: the stripes no committed step
+  references are removed (``_gc``) after each save has finished and at start-up.
 
 Orbax is configured to *rename* steps it deletes into ``.cocijax-deleted/`` (its
 ``todelete_subdir`` option) instead of deleting them file by file, so a crash in the middle of a
@@ -20,52 +21,46 @@ deletion never leaves a listed step with half its files; the manager empties tha
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
 import os
-import shutil
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, final
 
 import jax
 import orbax.checkpoint as ocp
 
 from cocijax import storage
-from cocijax._manager_dir import (
+from cocijax._validate import POSITIVE, check
+from cocijax.manager._contract import (
+    ManagerClosedError,
+    Measurements,
+    check_step,
+    check_step_order,
+)
+from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
-    STEP_RE,
     TRASH_DIR,
-    DirectoryLock,
-    DirectoryLockedError,
     check_layout,
     is_committed,
     merge_options,
 )
-from cocijax._policy_driver import PolicyDriver, stage_loss
-from cocijax._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
-from cocijax.storage import _tree as storage_tree
+from cocijax.manager._driver import PolicyDriver, stage_loss
+from cocijax.manager._gc import collect_garbage
+from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._lock import DirectoryLock
+from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 
-# DirectoryLockedError is defined next to the lock and re-exported here, where users meet it.
-__all__ = ["CheckpointManager", "DirectoryLockedError", "Measurements"]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 
-class Measurements(NamedTuple):
-    """What the policy was told at the last ``save`` call, and the last save's blocking time."""
-
-    step_time_s: float  # the previous step's measured duration
-    loss: float  # the loss it saw (the previous step's: losses are read one step late)
-    cost_estimate_s: float  # checkpoint cost it was given (NaN before the first save)
-    last_save_s: float  # blocking time of the most recent save (NaN before the first)
-
-
+@final
 class CheckpointManager:
     """Saves a training state when a cocijax policy says so, through striped async writes.
 
@@ -73,34 +68,36 @@ class CheckpointManager:
 
     What the manager measures and feeds the policy (no extra user input):
 
-    * **step time**: monotonic-clock time from the end of one ``save`` call to the policy's
-      decision in the next, so the checkpoint writes inside ``save`` are excluded. The decision
-      is where the step is known to be over (reading the loss, or the policy's own computation
-      queued behind the step, waits for it), so each step time reaches the policy one call late,
-      like the loss. The first step after ``__init__``/``restore`` is not timed (it usually
-      includes compilation): the policy is given the step time saved with the checkpoint, or
-      NaN ("unknown") in a fresh directory, where the second step then gets its own host-side
-      time, measured before the decision.
+    * **step time**: the time between consecutive ``save`` calls, minus the time a save blocked.
+      The first step after opening or :meth:`restore` is not timed (it usually includes
+      compilation): the policy is given the step time saved with the checkpoint, or NaN
+      ("unknown") in a fresh directory.
     * **checkpoint cost**: the blocking time of a save, including the wait for the previous
       asynchronous save if it was still running (a real stall of training).
-    * **loss, one step late**: ``loss`` may be an unfinished ``jax.Array``. Reading it at once
-      would stall the host until the step is done, so ``save`` starts its copy to host and the
-      policy sees each loss at the next call (the previous step has finished by then while the
-      current one keeps running). A NaN/inf loss is passed on; policies ignore it.
+    * **loss, one step late**: ``loss`` may be an unfinished ``jax.Array``. ``save`` starts its
+      copy to host and the policy sees each loss with the next step, read only at the policy's
+      next check (see :class:`cocijax.policies.Runner`): a step that cannot save costs no device
+      sync. A NaN/inf loss is passed on; policies ignore it.
+    * **failure rate and recovery time**, learned from the job itself: the directory is marked
+      as running while open; opening one whose previous run did not close counts a failure;
+      uptime and failures are saved with every checkpoint, and the MTBF given to the policy is
+      the posterior mean of a Gamma-Poisson model with ``prior_mtbf_s`` as a prior worth one
+      failure. The recovery time is measured from the process start to the first step after a
+      :meth:`restore`. A policy built with its own ``mtbf_s``/``recovery_s`` keeps them.
 
-    The policy update is jitted once. The policy state and these measurements are saved with
-    every checkpoint (item ``policy``) and reloaded from the newest step when the manager opens
-    (and from the restored step by :meth:`restore`), so a restarted job continues its schedule.
+    The policy state and these measurements are saved with every checkpoint (item ``policy``)
+    and reloaded from the newest step when the manager opens (and from the restored step by
+    :meth:`restore`), so a restarted job continues its schedule.
 
     In a multi-process job every process calls ``save``; the measured values are broadcast from
-    process 0 before each decision, so every process takes the same decision. Only the primary
-    process deletes anything.
+    process 0 before they reach the policy, so every process takes the same decision. Only the
+    primary process deletes anything.
 
     Args:
       directory: where Orbax keeps step directories (created if missing).
       roots: storage roots the state is striped over. ``None`` (default) keeps the data inside
         each step directory, so Orbax's atomic commit and deletion cover it.
-      policy: a :mod:`cocijax.policies` policy; default ``cj.policies.coci()`` (its default MTBF).
+      policy: a :mod:`cocijax.policies` policy; default ``cj.policies.coci()``.
       max_to_keep: keep at most this many steps (Orbax option).
       keep_period: also keep every step that is a multiple of this (Orbax option).
       preservation_policy: an Orbax preservation policy, instead of the two above.
@@ -109,6 +106,8 @@ class CheckpointManager:
         ``should_save_fn``, ``save_on_steps``), ``best_fn`` and step naming (``step_prefix``,
         ``step_format_fixed_length``, ``step_name_format``) are not supported.
       handler_options: keyword arguments for :class:`cocijax.StripedCheckpointHandler`.
+      prior_mtbf_s: the MTBF the learned estimate starts from; default 24 h divided by
+        ``jax.device_count()``.
       clock: monotonic clock in seconds; injectable for deterministic tests.
 
     Raises:
@@ -116,10 +115,12 @@ class CheckpointManager:
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
-      >>> with cj.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:
-      ...     for step in range(1, 301):
-      ...         state, loss = train_step(state, batch)
-      ...         mngr.save(step, state, loss=loss)
+      >>> import jax.numpy as jnp, tempfile, cocijax as cj
+      >>> state = {"w": jnp.zeros(4)}
+      >>> with cj.CheckpointManager(tempfile.mkdtemp(), policy=cj.policies.fixed(100)) as mngr:
+      ...     saved = [s for s in range(1, 301) if mngr.save(s, state, loss=1.0 / s)]
+      >>> saved
+      [100, 200, 300]
     """
 
     def __init__(
@@ -133,10 +134,12 @@ class CheckpointManager:
         preservation_policy: Any = None,
         options: ocp.CheckpointManagerOptions | None = None,
         handler_options: dict[str, Any] | None = None,
+        prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         from cocijax import policies
 
+        age = process_age_s()
         if not isinstance(directory, str | os.PathLike):
             raise TypeError(
                 f"directory: expected a path (str or os.PathLike), got {type(directory).__name__}."
@@ -154,7 +157,7 @@ class CheckpointManager:
         self._clock = clock
         self._closed = False
         self._lock: DirectoryLock | None = None
-        self._stripe_cache: dict[tuple[str, int], set[Path]] = {}
+        self._history: RunHistory | None = None
         self._committed: set[int] = set()
         options = merge_options(
             options,
@@ -166,7 +169,9 @@ class CheckpointManager:
         self._async = options.enable_async_checkpointing
         self._name_format = options.step_name_format
         self._primary = jax.process_index() == (options.multiprocessing_options.primary_host or 0)
-        self._driver = PolicyDriver(policies.coci() if policy is None else policy)
+        prior = policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
+        prior = check("prior_mtbf_s", prior, POSITIVE)
+        policy = policies.coci() if policy is None else policy
 
         if not self._read_only:
             self._directory.mkdir(parents=True, exist_ok=True)
@@ -179,6 +184,17 @@ class CheckpointManager:
             self._uncommitted = check_layout(self._directory)
             for entry in self._uncommitted:
                 log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
+            # Only the primary writer marks the directory; every process reads the history
+            # saved with the checkpoints (process 0's measurements reach the policy anyway).
+            self._history = RunHistory(
+                self._directory,
+                clock=clock,
+                writer=self._lock is not None,
+                opened_at_age_s=age,
+            )
+            self._driver = PolicyDriver(
+                policy, clock=clock, history=self._history, prior_mtbf_s=prior
+            )
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
                 roots=[] if self._read_only else list(self._stripe_roots),
@@ -197,21 +213,23 @@ class CheckpointManager:
             )
             self._collect_garbage()
             latest = self.latest_step()
+            self._history.adopt(None)
             if latest is not None:
-                self._load_policy(latest)
+                self._load_policy(latest, history=True)
+            self._latest_saved = latest
         except BaseException:
             if hasattr(self, "orbax"):
                 self.orbax.close()
-            self._release_lock()
+            self._release()
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
-        self._t_mark = clock()
-        self._timed = False
+        self._policy_warned = False
 
-    # -- lock -------------------------------------------------------------------------------
-
-    def _release_lock(self) -> None:
+    def _release(self) -> None:
+        """Releases the lock and the running marker (a clean end: no failure is counted)."""
+        if self._history is not None:
+            self._history.close()
         if self._lock is not None:
             self._lock.release()
 
@@ -241,7 +259,15 @@ class CheckpointManager:
     def measurements(self) -> Measurements:
         """The inputs of the policy's last decision (see :class:`Measurements`)."""
         loss, step_time, cost = self._driver.inputs
-        return Measurements(step_time, loss, cost, self._driver.cost_s)
+        return Measurements(
+            step_time,
+            loss,
+            cost,
+            self._driver.cost_s,
+            self._driver.mtbf_s,
+            self._driver.recovery_s,
+            self._history.failures,
+        )
 
     @property
     def restored_step(self) -> int | None:
@@ -275,6 +301,9 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, loss: Any, force: bool = False) -> bool:
         """Feeds one completed training step to the policy and saves if it says so.
 
+        A step the policy cannot save at costs a few microseconds: no device sync, no dispatch
+        (measured against Orbax's own ``save`` in ``benchmarks/step_cost_bench.py``).
+
         Args:
           step: the completed training step (1-based), larger than at the previous call.
           state: the training state pytree (jax/NumPy arrays, scalars, optax/Flax states).
@@ -286,90 +315,61 @@ class CheckpointManager:
           True when a save was started (it completes asynchronously).
 
         Raises:
-          ValueError: ``step`` is not larger than the latest saved step or the previous call's.
-          TypeError: ``loss`` is not a scalar number or array.
+          ManagerClosedError: the manager was closed.
+          ValueError: ``step`` is not larger than the latest saved step or the previous call's,
+            or the manager was opened read-only.
+          TypeError: ``step`` is not an int, or ``loss`` is not a scalar number or array.
         """
         self._check_open()
         if self._read_only:
             raise ValueError(f"save: {self._directory} was opened with read_only options.")
-        if isinstance(step, bool) or not hasattr(step, "__index__"):
-            raise TypeError(f"step: expected an int, got {type(step).__name__}.")
-        step = step.__index__()
-        latest = self.orbax.latest_step()  # includes a save still in flight
-        if latest is not None and step <= latest:
-            raise ValueError(
-                f"step: {step} is not after the latest saved step {latest} in {self._directory}; "
-                "resume from latest_step() + 1, or delete() the newer steps first."
-            )
-        if self._driver.step is not None and step <= self._driver.step:
-            raise ValueError(
-                f"step: {step} is not after the previous call's step {self._driver.step}; "
-                "call save once per training step with increasing steps."
-            )
+        step = check_step(step)
+        check_step_order(step, self._latest_saved, self._driver.step, self._directory)
         loss = stage_loss(loss)
-        # The previous step's loss, read by the driver only at the policy's next check (the
-        # step is done by then): a step that cannot save costs no device sync.
+        # The previous step's loss goes with this step; it is read only at the policy's next
+        # check (that step is done by then), so a step that cannot save costs no device sync.
         previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
         self._pending_loss = loss
-        self._driver.loss = previous_loss
-        step_time = self._driver.step_time_s  # the previous step's, see the class docstring
-        if math.isnan(step_time) and self._timed:
-            # Only the first step of a fresh directory was before this one, and it was not timed:
-            # the host-side time of this step is a better guess than "unknown".
-            step_time = self._clock() - self._t_mark
-        decided = self._driver.decide(step, loss=previous_loss, step_time_s=step_time)
-        # Measured after the decision: at a check, reading the losses waits for the step's
-        # computation, so the step has ended; between checks the host-side time between calls
-        # averages to the step time once the dispatch queue is full (the policy smooths it).
-        # The first step of a session is not timed: it usually includes compilation.
-        if self._timed:
-            self._driver.step_time_s = self._clock() - self._t_mark
-        self._timed = True
-        saved = decided or force
+        saved = self._driver.decide(step, loss=previous_loss) or force
         if saved:
             self._save(step, state, loss)
-        self._t_mark = self._clock()
         return saved
 
     def _save(self, step: int, state: Any, loss: Any) -> None:
         # Wait for the step's own computation first: that is training time, not checkpoint cost.
         jax.block_until_ready(state)
-        # Reject unsupported leaves before Orbax starts its background threads: a TypeError
-        # raised inside the handler's async_save leaves Orbax threads waiting up to 300 s for
-        # signals that never come, which also blocks interpreter exit.
-        for path, leaf in storage_tree.flatten(state)[0]:
-            storage_tree.leaf_kind(path, leaf)
+        # Reject unsupported leaves before Orbax starts its background threads: an error raised
+        # inside the handler's async_save leaves Orbax threads waiting up to 300 s for signals
+        # that never come, which also blocks interpreter exit.
+        storage.check_tree(state)
         snapshot = self._driver.snapshot(loss)
-        measured: dict[str, float] = {}
+        # The policy item's commit future writes once the cost is measured (see _policy_item);
+        # it is released whatever happens here, so that no future waits for ever.
         ready = threading.Event()
-
-        def build() -> dict[str, Any]:
-            return self._driver.to_json(snapshot, cost_s=measured["cost_s"])
-
-        start = self._clock()
         try:
-            self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
-            self._collect_garbage()
-            self._clear_uncommitted(step)
-            if not self._async:
-                # A synchronous Orbax save waits for every item, the policy item included, so
-                # that item records the cost measured so far; the policy itself is fed the
-                # whole blocking time below.
-                measured["cost_s"] = self._clock() - start
-                ready.set()
-            self.orbax.save(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        STATE_ITEM: storage.StripedSave(state),
-                        POLICY_ITEM: PolicyStateSave(build=build, ready=ready),
-                    }
-                ),
-                force=True,
-            )
+            with self._driver.saving() as measured:
+                self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
+                self._collect_garbage()
+                self._clear_uncommitted(step)
+                if not self._async:
+                    # A synchronous Orbax save waits for every item, the policy item included,
+                    # so that item records the cost measured so far; the policy itself is fed
+                    # the whole blocking time.
+                    measured["cost_s"] = self._clock() - measured["start"]
+                    ready.set()
+                item = PolicyStateSave(
+                    build=lambda: self._driver.to_json(snapshot, cost_s=measured["cost_s"]),
+                    ready=ready,
+                )
+                self.orbax.save(
+                    step,
+                    args=ocp.args.Composite(
+                        **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item}
+                    ),
+                    force=True,
+                )
+                self._latest_saved = step
         finally:
-            measured["cost_s"] = self._clock() - start
-            self._driver.cost_s = measured["cost_s"]
             ready.set()
 
     def _clear_uncommitted(self, step: int) -> None:
@@ -384,64 +384,10 @@ class CheckpointManager:
             entry.rename(target)
             self._uncommitted.remove(entry)
 
-    # -- garbage collection -----------------------------------------------------------------
-
     def _collect_garbage(self) -> None:
-        """Empties the trash and removes stripe directories no committed step references.
-
-        Runs only on the primary process and only while no save is in flight (callers have
-        waited), so the only unreferenced stripes are those of deleted steps and of crashed
-        saves. Steps are read from disk, not from Orbax's cache, so a committed step's data is
-        never removed even if another tool listed it differently.
-        """
-        if self._read_only or not self._primary:
-            return
-        trash = self._directory / TRASH_DIR
-        if trash.is_dir():
-            for entry in trash.iterdir():
-                shutil.rmtree(entry, ignore_errors=True)
-        if not self._stripe_roots:
-            return
-        referenced: set[Path] = set()
-        for entry in self._directory.iterdir():
-            if STEP_RE.match(entry.name):
-                refs = self._stripes_of(entry)
-                if refs is None:
-                    return  # a step whose stripes are unknown: removing any could lose its data
-                referenced |= refs
-        for root in self._stripe_roots:
-            for stripe_dir in storage.find_stripe_dirs(root):
-                if stripe_dir.resolve() not in referenced:
-                    log.info("removing unreferenced stripe directory %s", stripe_dir)
-                    shutil.rmtree(stripe_dir, ignore_errors=True)
-
-    def _stripes_of(self, step_dir: Path) -> set[Path] | None:
-        """Stripe directories a step references; None when that cannot be known.
-
-        No manifest, or one that is not JSON (torn), means an uncommitted step: nothing is
-        referenced. A manifest that is JSON but cannot be interpreted (say, a newer format) or
-        cannot be read (I/O error) gives None, and the caller then removes nothing. A committed
-        manifest never changes, so a known answer is cached per step directory and manifest
-        version (its modification time).
-        """
-        manifest = step_dir / STATE_ITEM / storage.MANIFEST_NAME
-        try:
-            key = (str(step_dir), manifest.stat().st_mtime_ns)
-            if key in self._stripe_cache:
-                return self._stripe_cache[key]
-            json.loads(manifest.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return set()
-        except OSError as e:
-            log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
-            return None
-        try:
-            refs = storage.referenced_stripe_dirs(step_dir / STATE_ITEM)
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
-            return None
-        self._stripe_cache[key] = {p.resolve() for p in refs}
-        return self._stripe_cache[key]
+        """Empties the trash and removes unreferenced stripes (primary writer only)."""
+        if not self._read_only and self._primary:
+            collect_garbage(self._directory, self._stripe_roots)
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -459,6 +405,7 @@ class CheckpointManager:
           The restored state.
 
         Raises:
+          ManagerClosedError: the manager was closed.
           FileNotFoundError: no such committed step (the message lists the available ones).
           cocijax.storage.CorruptCheckpointError: the step is damaged (and ``fallback`` is
             False or no intact older step exists).
@@ -497,13 +444,17 @@ class CheckpointManager:
             self._load_policy(candidate)
             self._restored_step = candidate
             self._pending_loss = None
-            self._t_mark = self._clock()
-            self._timed = False
+            self._driver.restart_timing()
+            self._history.restored()
             return restored[STATE_ITEM]
         raise AssertionError("unreachable: the last candidate returns or raises")
 
-    def _load_policy(self, step: int) -> None:
-        """Adopts the policy state saved with ``step``; keeps the current one if it cannot."""
+    def _load_policy(self, step: int, *, history: bool = False) -> None:
+        """Adopts the policy state saved with ``step`` (and, when asked, the job history).
+
+        A policy state saved by another policy cannot be continued: the policy starts fresh,
+        said once per manager.
+        """
         if self._read_only:
             return  # a reader never saves: the schedule is of no use to it
         where = self._directory / self._name_format.build_name(step) / POLICY_ITEM
@@ -511,17 +462,27 @@ class CheckpointManager:
             data = self.orbax.restore(
                 step, args=ocp.args.Composite(**{POLICY_ITEM: PolicyStateRestore()})
             )[POLICY_ITEM]
-            self._driver.load_json(data, where=str(where))
         except (ValueError, OSError, KeyError) as e:
-            warnings.warn(
-                f"policy state of step {step} not loaded ({e}); the policy keeps its current "
-                "state.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self._warn_policy(f"the policy state of step {step} cannot be read ({e})")
+            return
+        if history:
+            self._driver.load_history(data)
+        try:
+            self._driver.load_json(data, where=str(where))
+        except (ValueError, KeyError, TypeError) as e:
+            self._warn_policy(str(e))
             return
         # The saved step counts as seen: the next call must be after it.
         self._driver.step = step
+
+    def _warn_policy(self, reason: str) -> None:
+        if not getattr(self, "_policy_warned", False):
+            self._policy_warned = True
+            warnings.warn(
+                f"{reason}; this manager's policy starts its schedule fresh.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     # -- delete, wait, close ----------------------------------------------------------------
 
@@ -529,6 +490,7 @@ class CheckpointManager:
         """Deletes a committed step and, with external roots, its stripes.
 
         Raises:
+          ManagerClosedError: the manager was closed.
           FileNotFoundError: ``step`` is not a committed step.
         """
         self._check_open()
@@ -540,6 +502,7 @@ class CheckpointManager:
         self.orbax.wait_until_finished()
         self.orbax.delete(step)
         self._committed.discard(step)
+        self._latest_saved = self.latest_step()
         self._collect_garbage()
 
     def wait_until_finished(self) -> None:
@@ -561,11 +524,11 @@ class CheckpointManager:
                 self.orbax.close()
             finally:
                 self._closed = True
-                self._release_lock()
+                self._release()
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"CheckpointManager for {self._directory} is closed.")
+            raise ManagerClosedError(f"CheckpointManager for {self._directory} is closed.")
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -575,8 +538,11 @@ class CheckpointManager:
 
     def __del__(self):
         # A manager dropped without close() must not keep the directory locked; at interpreter
-        # exit the modules used here may already be gone, hence the broad guard.
-        try:  # noqa: SIM105
-            self._release_lock()
+        # exit the modules used here may already be gone, hence the broad guard. The running
+        # marker stays: the run did not end cleanly.
+        try:
+            if self._lock is not None:
+                self._lock.release()
         except Exception:
             pass
+

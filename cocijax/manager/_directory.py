@@ -1,4 +1,4 @@
-"""The checkpoint directory of :class:`cocijax.CheckpointManager`: layout, listing, lock, options.
+"""The checkpoint directory of :class:`cocijax.CheckpointManager`: layout, listing, options.
 
 What a cocijax directory may hold: step directories (``<step>/state`` written by the striped
 handler, ``<step>/policy`` the policy state), Orbax's temporary directories, the trash Orbax
@@ -10,8 +10,6 @@ and valid.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,14 +20,11 @@ import orbax.checkpoint as ocp
 from cocijax import storage
 
 __all__ = [
-    "LOCK_FILE",
     "POLICY_ITEM",
     "STATE_ITEM",
     "STEP_RE",
     "TRASH_DIR",
     "CommittedStepFormat",
-    "DirectoryLock",
-    "DirectoryLockedError",
     "check_layout",
     "is_committed",
     "merge_options",
@@ -38,13 +33,8 @@ __all__ = [
 STATE_ITEM = "state"
 POLICY_ITEM = "policy"
 TRASH_DIR = ".cocijax-deleted"
-LOCK_FILE = ".cocijax.lock"
 STEP_RE = re.compile(r"^\d+$")
 TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another ``CheckpointManager`` (in this or another process) writes to the directory."""
 
 
 def is_committed(step_dir: Path) -> bool:
@@ -142,40 +132,3 @@ def merge_options(
         todelete_subdir=TRASH_DIR,
         create=not options.read_only,
     )
-
-
-class DirectoryLock:
-    """An exclusive, non-blocking ``flock`` on ``directory/.cocijax.lock``.
-
-    The kernel drops the lock when the process dies, so a crashed writer never leaves the
-    directory locked. Two managers in one process conflict too (each opens its own file).
-    """
-
-    def __init__(self, directory: Path):
-        self._path = directory / LOCK_FILE
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        """Takes the lock.
-
-        Raises:
-          DirectoryLockedError: another writer holds it.
-        """
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DirectoryLockedError(
-                f"directory: {self._path.parent} is open for writing by another "
-                f"CheckpointManager (lock {self._path}); close it first, or open this one with "
-                "read_only options."
-            ) from None
-        self._fd = fd
-
-    def release(self) -> None:
-        """Releases the lock (no-op if not held)."""
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None

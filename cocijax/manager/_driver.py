@@ -1,29 +1,39 @@
-"""Feeds a :class:`cocijax.policies.Policy` with measured inputs and keeps what a restart needs.
+"""The one driver of a policy in a training job, shared by every manager.
 
-Shared by :class:`cocijax.CheckpointManager` and :class:`cocijax.SaveDecisionPolicy`: both measure
-times their own way, then call :meth:`PolicyDriver.decide` once per training step. The driver owns
-the jitted ``update`` (compiled once: every argument has a fixed dtype and shape), the policy
-state, and the measurement state (last step time, last checkpoint cost, last loss) that is saved
-with every checkpoint so that a restarted job continues the same schedule.
+:class:`cocijax.CheckpointManager`, :class:`cocijax.torch.CheckpointManager` and
+:class:`cocijax.SaveDecisionPolicy` all call :meth:`PolicyDriver.decide` once per training step
+and let it measure: the step time is the time between consecutive calls, minus the time a save
+blocked (the managers time their own saves with :meth:`PolicyDriver.saving`;
+``SaveDecisionPolicy``, which Orbax calls before it saves, splits the interval that follows a save
+into the step time it has and the save's cost). The first interval after opening or restoring is
+not timed: it includes compilation. The driver feeds a :class:`cocijax.policies.Runner` (no
+dispatch and no device sync on a step before the policy's next check), passes the job's learned
+MTBF and recovery time (:mod:`cocijax.manager._history`), and serialises everything a restarted
+job needs to continue the same schedule.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, final
 
 import jax
 import numpy as np
 
-from cocijax.policies import Batch, next_check, update_many
+from cocijax.manager._history import RunHistory
+from cocijax.policies import Runner
 
-__all__ = ["PolicyDriver", "read_loss", "stage_loss"]
+__all__ = ["PolicyDriver", "check_policy", "read_loss", "stage_loss"]
 
 _FORMAT = "cocijax.policy_state/1"
 
 
-def _check_policy(policy: Any) -> None:
+def check_policy(policy: Any) -> None:
+    """Raises ``TypeError`` naming ``policy`` unless it is an ``(init, update)`` pair."""
     init, update = getattr(policy, "init", None), getattr(policy, "update", None)
     if not (callable(init) and callable(update)):
         raise TypeError(
@@ -97,54 +107,77 @@ def _decode(entry: dict[str, Any], like: Any, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
-# Steps fed to the policy per dispatch (padded): one compilation for any number of skipped steps.
-BATCH = 64
+def _broadcast_from_process_0(values: np.ndarray) -> np.ndarray:
+    """Every process decides on process 0's measurements (the same updates, the same decisions)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
+@final
 class PolicyDriver:
-    """Runs one policy online: batched updates, measured inputs, restartable state.
+    """Runs one policy in a training job: measured inputs, learned failure rate, restartable.
 
-    A step before the policy's next check (``cj.policies.next_check``) cannot be a save, so
-    :meth:`decide` only records its inputs (a comparison and an append: no dispatch, no device
-    sync, the loss not even read); at a check step the recorded steps and the current one go to
-    the policy together (:func:`cj.policies.update_many`), and its decisions are exactly those
-    of one ``update`` per step.
+    Args:
+      policy: a :mod:`cocijax.policies` policy.
+      clock: monotonic clock in seconds; injectable for deterministic tests.
+      history: the job's failure history (learned MTBF and recovery time), or None.
+      prior_mtbf_s: the MTBF the history's estimate starts from (see ``RunHistory.mtbf_s``).
+      cost_from_intervals: the caller cannot time its saves: the interval after a "save"
+        decision is split into the step time known so far and the save's cost.
 
     Attributes:
-      state: the policy state (a pytree of arrays); reading it feeds the recorded steps first.
       step: the last step given to :meth:`decide`, or None.
-      step_time_s: the latest measured step time in seconds, kept by the caller (NaN before the
-        first); saved with the checkpoint so that a restarted job has one at once.
+      step_time_s: the latest measured step time in seconds (NaN before the first); saved with
+        the checkpoint so that a restarted job has one at once.
       cost_s: the last measured checkpoint cost in seconds (NaN before the first save).
-      loss: the loss value the policy sees at the next step (NaN if unknown).
-      mtbf_s: the measured MTBF passed to the policy (NaN: unknown, the policy's prior).
-      recovery_s: the measured recovery time passed to the policy (NaN: unknown).
+      loss: the loss the policy sees with the next step when the caller has no newer one (the
+        last saved step's, after a restore).
     """
 
-    def __init__(self, policy: Any):
-        _check_policy(policy)
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        history: RunHistory | None = None,
+        prior_mtbf_s: float = math.nan,
+        cost_from_intervals: bool = False,
+    ):
+        check_policy(policy)
         self.policy = policy
-        self._update_many = update_many(policy)
-        # The policy runs on the host CPU: on an accelerator its tiny update would queue behind
-        # the training step, and reading its decision would synchronise every step.
-        self._device = jax.local_devices(backend="cpu")[0]
-        self._state = jax.device_put(policy.init(), self._device)
-        self._next_check = int(next_check(self._state))
-        self._pending: list[tuple[int, Any, float, float]] = []  # (step, loss, step time, cost)
+        self.runner = Runner(policy, broadcast=_broadcast_from_process_0)
+        self.runner.compile()  # now, so that no training step is charged for it
+        self.history = history
+        self._prior_mtbf_s = prior_mtbf_s
+        self._clock = clock
+        self._cost_from_intervals = cost_from_intervals
         self.step: int | None = None
         self.step_time_s = math.nan
         self.cost_s = math.nan
-        self.loss = math.nan
-        self.mtbf_s = math.nan
-        self.recovery_s = math.nan
+        self.loss: Any = math.nan
+        self._mark: float | None = None  # end of the previous call; None: the next is untimed
+        self._saved_last = False  # the previous decision was "save" (cost_from_intervals)
         self._last: tuple[Any, float, float] = (math.nan, math.nan, math.nan)
-        # Compile now, on a throwaway batch, so that no training step is charged for it.
-        jax.block_until_ready(self._update_many(self._state, _batch([(1, math.nan, 1.0, 1.0)], 0)))
 
     @property
     def state(self) -> Any:
-        self._flush()
-        return self._state
+        """The policy state (feeds the steps the runner recorded first)."""
+        return self.runner.state
+
+    @property
+    def mtbf_s(self) -> float:
+        """The MTBF passed to the policy: the history's estimate, NaN without a history."""
+        if self.history is None or not math.isfinite(self._prior_mtbf_s):
+            return math.nan
+        return self.history.mtbf_s(self._prior_mtbf_s)
+
+    @property
+    def recovery_s(self) -> float:
+        """The recovery time passed to the policy (NaN until one is measured)."""
+        return math.nan if self.history is None else self.history.recovery_s
 
     @property
     def inputs(self) -> tuple[float, float, float]:
@@ -152,65 +185,65 @@ class PolicyDriver:
         loss, step_time, cost = self._last
         return read_loss(loss), step_time, cost
 
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._pending = []
-        self._state = jax.device_put(value, self._device)
-        self._next_check = int(next_check(self._state))
+    def restart_timing(self) -> None:
+        """The next interval is not timed (after opening, or a restore: compilation, loading)."""
+        self._mark = None
+        self._saved_last = False
 
-    def decide(self, step: int, *, loss: Any, step_time_s: float) -> bool:
-        """Feeds one step to the policy and returns its decision.
-
-        Before the first measured save the checkpoint cost is NaN, which policies read as "not
-        measured yet" and replace with their ``cost_prior_s``. In a multi-process job the
-        measured values are broadcast from process 0 before they reach the policy (once per
-        check, for all the steps it covers), so every process runs the same updates on the
-        same inputs and takes the same decisions; the check steps themselves follow from the
-        same state, so all processes agree on them too.
+    def decide(self, step: int, *, loss: Any) -> bool:
+        """Measures the step that just ended, feeds it to the policy and returns its decision.
 
         Args:
           step: the completed training step (1-based).
-          loss: its loss: a number or a staged one-element array (see :func:`stage_loss`); it
-            is read only at the next check (NaN/inf are passed on; policies ignore them).
-          step_time_s: its measured duration in seconds.
+          loss: its loss: a number or a staged one-element array (see :func:`stage_loss`),
+            read only at the policy's next check.
 
         Returns:
           True when the policy says to checkpoint after this step.
         """
+        now = self._clock()
+        if self._mark is not None:
+            interval = max(now - self._mark, 0.0)
+            if self._cost_from_intervals and self._saved_last:
+                if math.isnan(self.step_time_s):
+                    self.step_time_s = interval  # all there is: better than unknown
+                else:
+                    self.cost_s = max(interval - self.step_time_s, 0.0)
+            else:
+                self.step_time_s = interval
+        if self.history is not None:
+            self.history.step_done()
         self.step = step
-        self._last = (loss, float(step_time_s), float(self.cost_s))
-        self._pending.append((step, *self._last))
-        if step < self._next_check:
-            return False
-        return self._flush()
+        self._last = (loss, self.step_time_s, self.cost_s)
+        decision = self.runner.update(
+            step,
+            loss=loss,
+            step_time_s=self.step_time_s,
+            checkpoint_cost_s=self.cost_s,
+            mtbf_s=self.mtbf_s,
+            recovery_s=self.recovery_s,
+        )
+        self._saved_last = decision
+        self._mark = self._clock()
+        return decision
 
-    def _flush(self) -> bool:
-        """Feeds the recorded steps to the policy; the decision of the last one."""
-        if not self._pending:
-            return False
-        rows = [(s, read_loss(loss), t, c) for s, loss, t, c in self._pending]
-        self._pending = []
-        values = np.asarray([r[1:] for r in rows], np.float32)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[dict[str, float]]:
+        """Times a save's blocking part as the checkpoint cost; the next step excludes it.
 
-            values = np.asarray(multihost_utils.broadcast_one_to_all(values))
-        rows = [(s, *v) for (s, *_), v in zip(rows, values.tolist(), strict=True)]
-        save = False
-        for start in range(0, len(rows), BATCH):
-            chunk = rows[start : start + BATCH]
-            save, self._state = self._update_many(
-                self._state, _batch(chunk, len(chunk), self.mtbf_s, self.recovery_s)
-            )
-        self._next_check = int(next_check(self._state))
-        return bool(save)
-
-    def compile_count(self) -> int:
-        """How many times the batched update has been compiled (1 after the first step)."""
-        return self._update_many._cache_size()
+        Yields a dict whose ``"cost_s"`` is filled in when the block exits (also on an error).
+        """
+        start = self._clock()
+        measured: dict[str, float] = {"start": start}
+        try:
+            yield measured
+        finally:
+            end = self._clock()
+            measured["cost_s"] = self.cost_s = end - start
+            self._mark = end
 
     def snapshot(self, loss: Any) -> dict[str, Any]:
-        """Captures what the checkpoint of the current step records (cheap; no device sync).
+        """Captures what the checkpoint of the current step records (no device sync).
 
         Args:
           loss: the current step's loss as given by the user (read later, off the train loop).
@@ -220,6 +253,7 @@ class PolicyDriver:
             "step": self.step,
             "step_time_s": self.step_time_s,
             "loss": loss,
+            "history": None if self.history is None else self.history.to_json(),
         }
 
     def to_json(self, snapshot: dict[str, Any], *, cost_s: float) -> dict[str, Any]:
@@ -231,6 +265,7 @@ class PolicyDriver:
             "step_time_s": snapshot["step_time_s"],
             "cost_s": cost_s,
             "loss": read_loss(snapshot["loss"]),
+            "history": snapshot["history"],
         }
 
     def load_json(self, data: dict[str, Any], *, where: str) -> None:
@@ -249,33 +284,25 @@ class PolicyDriver:
         entries = data["policy_state"]
         if len(entries) != len(template):
             raise ValueError(
-                f"{where}: policy state has {len(entries)} leaves on disk but "
-                f"{len(template)} for this policy."
+                f"{where}: the policy state on disk has {len(entries)} leaves, this policy "
+                f"{len(template)}: it was saved by another policy."
             )
         leaves = [
             _decode(entry, like, f"{where} (leaf {i})")
             for i, (entry, like) in enumerate(zip(entries, template, strict=True))
         ]
-        self.state = jax.tree.unflatten(treedef, leaves)
+        self.runner.state = jax.tree.unflatten(treedef, leaves)
         self.step = None if data["step"] is None else int(data["step"])
         self.step_time_s = float(data["step_time_s"])
         self.cost_s = float(data["cost_s"])
         self.loss = float(data["loss"])
 
+    def load_history(self, data: dict[str, Any] | None) -> None:
+        """Adopts the job history saved with a checkpoint (any policy's: it is the job's)."""
+        if self.history is not None:
+            saved = data.get("history") if isinstance(data, dict) else None
+            self.history.adopt(saved if isinstance(saved, dict) else None)
 
-def _batch(
-    rows: list[tuple[int, float, float, float]], valid: int, mtbf=math.nan, recovery=math.nan
-) -> Batch:
-    """A :class:`cj.policies.Batch` of ``BATCH`` rows, the first ``valid`` of them real."""
-    pad = [(0, math.nan, math.nan, math.nan)] * (BATCH - len(rows))
-    steps, losses, times, costs = zip(*(rows + pad), strict=True)
-    f32 = lambda v: np.asarray(v, np.float32)
-    return Batch(
-        step=np.asarray(steps, np.int32),
-        loss=f32(losses),
-        step_time_s=f32(times),
-        checkpoint_cost_s=f32(costs),
-        mtbf_s=np.full(BATCH, mtbf, np.float32),
-        recovery_s=np.full(BATCH, recovery, np.float32),
-        valid=np.arange(BATCH) < valid,
-    )
+    def compile_count(self) -> int:
+        """How many times the batched update has been compiled (1 after the first step)."""
+        return self.runner.compile_count()

@@ -19,8 +19,6 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.multihost import multihost
 
 __all__ = ["PolicyStateHandler", "PolicyStateRestore", "PolicyStateSave"]
 
@@ -41,10 +39,12 @@ class PolicyStateHandler(ocp.AsyncCheckpointHandler):
         self._primary_host = primary_host
 
     async def _write(self, directory: epath.Path, args: PolicyStateSave) -> None:
-        ready = await asyncio.to_thread(args.ready.wait, _READY_TIMEOUT_S)
-        if not ready:
+        await asyncio.to_thread(self._write_now, directory, args)
+
+    def _write_now(self, directory: epath.Path, args: PolicyStateSave) -> None:
+        if not args.ready.wait(_READY_TIMEOUT_S):
             raise TimeoutError(f"{directory}: the policy state was never completed by the manager.")
-        if not multihost.is_primary_host(self._primary_host):
+        if not ocp.multihost.is_primary_host(self._primary_host):
             return
         text = json.dumps(args.build())
         path = os.path.join(os.fspath(directory), FILENAME)
@@ -64,11 +64,8 @@ class PolicyStateHandler(ocp.AsyncCheckpointHandler):
         ]
 
     def save(self, directory: epath.Path, args: PolicyStateSave) -> None:
-        async def run():
-            for f in await self.async_save(directory, args):
-                f.result()
-
-        asyncio_utils.run_sync(run())
+        """Writes the JSON now (a synchronous save: the manager has measured already)."""
+        self._write_now(directory, args)
 
     def restore(
         self, directory: epath.Path, args: PolicyStateRestore | None = None

@@ -6,16 +6,18 @@ For users who keep their own ``ocp.CheckpointManager``: Orbax asks ``should_save
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, final
 
-from cocijax._policy_driver import PolicyDriver, read_loss, stage_loss
+from cocijax.manager._driver import PolicyDriver, stage_loss
 
 __all__ = ["SaveDecisionPolicy"]
 
 
+@final
 class SaveDecisionPolicy:
     """Orbax ``SaveDecisionPolicy`` protocol backed by a :mod:`cocijax.policies` policy.
 
@@ -26,10 +28,13 @@ class SaveDecisionPolicy:
     it is read at the next decision, so the policy sees each observed loss one step late and the
     training loop is never synchronised by it.
 
-    **Times.** Measured between consecutive ``should_save`` calls (one per training step). An
-    interval that follows a "save" decision also contains the blocking part of that save, plus
-    any wait for the previous async save: its excess over the current step-time estimate (the
-    last interval that followed a "no" decision) is fed to the policy as the checkpoint cost.
+    **Times.** Measured between consecutive ``should_save`` calls (one per training step), by
+    the driver every cocijax manager uses. An interval that follows a "save" decision also
+    contains the blocking part of that save, plus any wait for the previous async save: its
+    excess over the current step-time estimate (the last interval that followed a "no"
+    decision) is fed to the policy as the checkpoint cost. Before any step time is known, such
+    an interval stands for the step time, so a policy whose first decisions are "save" still
+    learns one.
 
     **Several processes.** Each process measures its own times; before every decision the
     measured values are broadcast from process 0 (``multihost_utils.broadcast_one_to_all``), so
@@ -66,13 +71,12 @@ class SaveDecisionPolicy:
 
         if not isinstance(metric, str):
             raise TypeError(f"metric: expected a str key, got {type(metric).__name__}.")
-        self._driver = PolicyDriver(policies.coci() if policy is None else policy)
+        self._driver = PolicyDriver(
+            policies.coci() if policy is None else policy, clock=clock, cost_from_intervals=True
+        )
         self._metric = metric
-        self._clock = clock
         self._observed: Any = None
         self._observed_prev: Any = None
-        self._t_prev: float | None = None
-        self._saved_prev = False
         self._decision: bool | None = None
 
     @property
@@ -80,26 +84,33 @@ class SaveDecisionPolicy:
         """The current policy state (a pytree of arrays)."""
         return self._driver.state
 
-    def state_json(self) -> dict[str, Any]:
-        """The policy state and measurements as a JSON-serialisable dict.
+    def state_json(self) -> str:
+        """The policy state and measurements as JSON text.
 
-        Save it with your checkpoint (e.g. as an ``ocp.args.JsonSave`` item) and give it to
-        :meth:`load_state_json` after a restart, so that the schedule continues.
+        Save it with your checkpoint (e.g. ``ocp.args.JsonSave(json.loads(text))``, or as a
+        file) and give it to :meth:`load_state_json` after a restart, so that the schedule
+        continues.
         """
-        return self._driver.to_json(
-            self._driver.snapshot(self._observed_prev), cost_s=self._driver.cost_s
-        )
+        snapshot = self._driver.snapshot(self._observed_prev)
+        return json.dumps(self._driver.to_json(snapshot, cost_s=self._driver.cost_s))
 
-    def load_state_json(self, data: dict[str, Any]) -> None:
-        """Adopts a :meth:`state_json` document; the next step decided must follow its step.
+    def load_state_json(self, data: str | dict[str, Any]) -> None:
+        """Adopts a :meth:`state_json` document (the text, or its parsed dict).
+
+        The next step decided must follow its step.
 
         Raises:
-          ValueError: ``data`` was written by something else or by a different policy.
+          ValueError: ``data`` is not JSON, or was written by something else or by a different
+            policy.
         """
+        if isinstance(data, str | bytes):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"SaveDecisionPolicy.load_state_json: not JSON ({e}).") from e
         self._driver.load_json(data, where="SaveDecisionPolicy.load_state_json")
         self._observed_prev = self._driver.loss  # the saved step's loss, due at the next decision
-        self._t_prev = None
-        self._saved_prev = False
+        self._driver.restart_timing()
         self._decision = None
 
     def observe(self, loss: Any) -> None:
@@ -132,23 +143,14 @@ class SaveDecisionPolicy:
                 f"step: {number} comes before the previously decided step {last}; "
                 "should_save expects increasing steps."
             )
-        now = self._clock()
-        interval = math.nan if self._t_prev is None else now - self._t_prev
-        self._t_prev = now
-        if math.isfinite(interval):
-            if not self._saved_prev:
-                self._driver.step_time_s = interval
-            elif math.isfinite(self._driver.step_time_s):
-                # This interval holds a step plus the blocking part of the save after the last.
-                self._driver.cost_s = max(interval - self._driver.step_time_s, 0.0)
         metrics = getattr(step, "metrics", None)
         if metrics and self._metric in metrics:
-            loss = read_loss(metrics[self._metric])
+            loss = stage_loss(metrics[self._metric])
         else:
             # The loss observed for the previous step: that step has finished by now.
-            loss = read_loss(self._observed_prev)
+            loss = self._observed_prev
         self._observed_prev, self._observed = self._observed, None
-        decision = self._driver.decide(number, loss=loss, step_time_s=self._driver.step_time_s)
-        self._saved_prev = decision
-        self._decision = decision
-        return decision
+        # The driver times the interval since the previous call; one that follows a "save" is
+        # split into the step time it knows and the save's cost (see PolicyDriver).
+        self._decision = self._driver.decide(number, loss=math.nan if loss is None else loss)
+        return self._decision

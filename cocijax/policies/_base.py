@@ -30,11 +30,12 @@ added to the convergence history again.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from cocijax._validate import NONNEGATIVE, POSITIVE, UNIT, check
 
 PolicyState = Any  # A pytree (NamedTuple) of jnp arrays.
 
@@ -242,27 +243,16 @@ def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarra
     return tau, cost
 
 
-def _check_number(name: str, value: float, expected: str, ok: Callable[[float], bool]) -> float:
-    """``float(value)`` if it is finite and ``ok``, else a ``ValueError`` naming ``name``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = math.nan
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name} must be {expected}, got {value!r}.")
-    return v
-
-
 def check_positive(name: str, value: float) -> float:
     """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
-    return _check_number(name, value, "a positive finite number", lambda v: v > 0)
+    return check(name, value, POSITIVE)
 
 
 def check_unit(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is in [0, 1], else raises ``ValueError`` naming ``name``."""
-    return _check_number(name, value, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+    return check(name, value, UNIT)
 
 
 def check_nonnegative(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is finite and >= 0, else raises ``ValueError``."""
-    return _check_number(name, value, "a non-negative finite number", lambda v: v >= 0)
+    return check(name, value, NONNEGATIVE)

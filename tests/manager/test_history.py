@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cocijax._run_history import MARKER, RunHistory
+from cocijax.manager._history import MARKER, RunHistory
 
 
 class Clock:

@@ -62,11 +62,11 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
     ),
     # TensorStore writes (compressed pieces) or direct writes of single chunk files.
     "write": (
-        ["cocijax.storage._io:write_piece", "cocijax.storage._direct:write_file"],
+        ["cocijax.storage._write:write_piece", "cocijax.storage._direct:write_file"],
         (1, 8),
         (0.0, 0.01),
     ),
-    "fsync": ("cocijax.storage._io:fsync_tree", (1, 6), (0.0, 0.002)),
+    "fsync": ("cocijax.storage._write:fsync_tree", (1, 6), (0.0, 0.002)),
     "manifest": ("cocijax.storage._manifest:write_json_durably", (1, 6), (0.0, 0.001)),
     "merge": ("cocijax.storage._manifest:merge_parts", (1, 4), (0.0, 0.001)),
     "finalize": (

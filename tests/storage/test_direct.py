@@ -121,7 +121,7 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
 
 
 def test_raw_chunk_rows_accepts_only_plain_bytes_with_default_keys(tmp_path):
-    plain = _io.write_spec(
+    plain = _write.write_spec(
         tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
         compression_level=3,
     )["metadata"]  # fmt: skip

@@ -84,7 +84,7 @@ def test_restore_is_bit_exact_with_external_roots(tmp_path):
 
 
 def test_measures_step_time_cost_and_reads_loss_one_step_late(tmp_path):
-    clock = FakeClock(tick=0.25)
+    clock = FakeClock(tick=0.25)  # every reading advances the clock by a tick
     d = 0.5  # the "training" time the test lets pass before each save call
     losses = [jnp.float32(3.0), jnp.float32(2.0), jnp.float32(1.5)]
     with cj.CheckpointManager(tmp_path / "ck", policy=recording(2), clock=clock) as mngr:
@@ -93,24 +93,23 @@ def test_measures_step_time_cost_and_reads_loss_one_step_late(tmp_path):
             mngr.save(step, small_state(), loss=loss)
             seen = mngr.policy_state
             if step == 1:
-                # Nothing is known yet: no timed step, no save, no earlier loss.
+                # Nothing is known yet: step 1 is not timed (compilation), no save, no loss.
                 assert math.isnan(seen.loss) and math.isnan(seen.step_time)
                 assert math.isnan(seen.cost)
             if step == 2:
-                # Step 1 was not timed (compilation), so step 2 is given its own host-side time
-                # so far: d plus the reading that ended step 1.
+                # Step 2's own time: from the reading that ended step 1's call to the one that
+                # started step 2's decision (d plus that reading's tick); step 1's loss.
                 assert float(seen.step_time) == d + 0.25
                 assert float(seen.loss) == 3.0
-        # Step 3 sees step 2's loss, step 2's whole duration (d plus two clock readings: the
-        # one step 2 was given and the one that ended it) and the blocking time of step 2's
-        # save (one clock reading between its start and end).
+        # Step 3: its own time excludes step 2's save (timed from the save's end); step 2's
+        # loss; the blocking time of step 2's save (one tick between its start and end).
         assert float(seen.loss) == 2.0
-        assert float(seen.step_time) == d + 0.5
+        assert float(seen.step_time) == d + 0.25
         assert float(seen.cost) == 0.25
         assert int(seen.calls) == 3
         m = mngr.measurements
-        assert (m.step_time_s, m.loss, m.cost_estimate_s) == (d + 0.5, 2.0, 0.25)
-        # The policy's update is compiled once (at open), not per step.
+        assert (m.step_time_s, m.loss, m.cost_estimate_s) == (d + 0.25, 2.0, 0.25)
+        # The policy's batched update is compiled once (at open), not per step.
         assert mngr._driver.compile_count() == 1
 
 
@@ -129,7 +128,8 @@ def test_policy_schedule_continues_after_reopen(tmp_path):
     losses = 0.2 + 3.0 * np.exp(-np.arange(n) / 12.0)
 
     def policy():
-        return cj.policies.coci(mtbf_s=60.0, total_steps=n, min_points=8)
+        # A given recovery time: a restarted job otherwise plans with the one it measured.
+        return cj.policies.coci(mtbf_s=60.0, recovery_s=0.0, total_steps=n, min_points=8)
 
     clock = FakeClock(tick=0.5)
     with cj.CheckpointManager(tmp_path / "a", policy=policy(), clock=clock) as mngr:

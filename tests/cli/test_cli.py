@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
-from cocijax import _cli_commands, _units
+from cocijax.cli import _commands, _units
 from cocijax.cli import main
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
+POLICY_NAMES = tuple(cj.policies.by_name.__globals__["CONSTRUCTORS"])
 CURVE = DATA / "wrn-40-4_cifar10_loss.csv"
 PLAN_ARGS = ["--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "90s", "--recovery", "2m"]
 
@@ -100,7 +101,7 @@ def _table_rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in re.split(r"[│|]", line) if c.strip()]
-        if cells and cells[0] in (*_cli_commands.POLICY_NAMES,):
+        if cells and cells[0] in (*POLICY_NAMES, _commands.OPTIMAL):
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -110,7 +111,7 @@ def test_plan_table_matches_plan_and_simulator(tmp_path, capsys):
     argv = ["plan", str(CURVE), *PLAN_ARGS, "--trials", "200", "--every", "20", "--plot", str(png)]
     assert main(argv) == 0
     rows = _table_rows(capsys.readouterr().out)
-    assert set(rows) == set(_cli_commands.POLICY_NAMES)
+    assert set(rows) == {*POLICY_NAMES, _commands.OPTIMAL}  # every policy, and the optimum
 
     losses = np.loadtxt(CURVE, delimiter=",", skiprows=1)[:, 1]
     n = len(losses)
@@ -146,7 +147,7 @@ def test_plan_reads_missing_and_nan_cells(tmp_path, capsys):
         f"{i},{'' if i % 7 == 0 else ('nan' if i % 11 == 0 else 2.0 / i)}" for i in range(1, 301)
     ]
     csv.write_text("\n".join(lines) + "\n")
-    history = _cli_commands.read_losses(csv)
+    history = _commands.read_losses(csv)
     assert len(history.losses) == 300 and np.isnan(history.losses[6]) and history.steps[-1] == 300
     assert main(["plan", str(csv), *PLAN_ARGS, "--policy", "coci", "--trials", "50"]) == 0
     assert int(_table_rows(capsys.readouterr().out)["coci"][0]) > 0
@@ -168,7 +169,7 @@ def test_plan_reads_missing_and_nan_cells(tmp_path, capsys):
         (["plan", "missing.csv", *PLAN_ARGS], "no such file: missing.csv"),
         (["plan", str(CURVE), *PLAN_ARGS, "--policy", "fixed"], "--policy fixed needs --every"),
         (["plan", str(CURVE), *PLAN_ARGS, "--policy", "magic"], "invalid choice: 'magic'"),
-        (["plan", str(CURVE), *PLAN_ARGS, "--time-weight", "2"], "must be in [0, 1]"),
+        (["plan", str(CURVE), *PLAN_ARGS, "--time-weight", "2"], "must be a number in [0, 1]"),
         (["ls", "no/such/dir"], "no such directory: no/such/dir"),
         (["verify", "no/such/dir"], "no such directory: no/such/dir"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -203,7 +204,7 @@ def test_bad_csv_exit_2_naming_the_file(tmp_path, content, message, capsys):
 def test_foreign_directory_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "7").mkdir()
     assert main(["ls", str(tmp_path)]) == 2
-    assert "was not written by cocijax" in capsys.readouterr().err
+    assert "is not a cocijax checkpoint directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ ls, verify
@@ -268,8 +269,11 @@ def test_verify_names_damaged_leaf_and_file(checkpoints, capsys):
     assert any(array_dir.name in line for line in damaged)
     assert "step 1" not in captured.out
     assert "problem(s) in" in captured.err
+    # One line per problem: the leaf and the file once each, what is wrong, no TensorStore spec.
+    assert all(line.count(leaf_path) == 1 and "tensorstore_spec" not in line for line in damaged)
+    assert max(len(line) for line in damaged) < 400
     assert main(["verify", str(checkpoints), "--step", "1"]) == 0
-    assert main(["ls", str(checkpoints)]) == 0
+    assert main(["ls", str(checkpoints)]) == 1  # exit 1 means damage, for ls as for verify
     assert "DAMAGED" in capsys.readouterr().out
     assert main(["verify", str(checkpoints), "--step", "9"]) == 2
 
@@ -295,22 +299,23 @@ def test_ls_lists_a_torch_directory(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"│\s*2\s*│.*KiB.*n/a", out) and re.search(r"│\s*4\s*│.*KiB.*n/a", out)
-    assert main(["verify", str(tmp_path)]) == 1
-    assert "no cocijax checkpoint with checksums" in capsys.readouterr().err
+    # Nothing damaged: exit 0, and a word that PyTorch checkpoints carry no checksums.
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "PyTorch checkpoints have no checksums" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------ bench
 def test_bench_forwards_arguments(tmp_path, monkeypatch, capsys):
     fake = tmp_path / "write_bench.py"
     fake.write_text("def main(argv=None):\n    print('ARGS', argv)\n    return 3\n")
-    monkeypatch.setattr(_cli_commands, "_find_write_bench", lambda: fake)
+    monkeypatch.setattr(_commands, "_find_write_bench", lambda: fake)
     assert main(["bench", "--sizes", "a", "--help"]) == 3
     assert "ARGS ['--sizes', 'a', '--help']" in capsys.readouterr().out
 
 
 def test_bench_unavailable_is_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(_cli_commands, "_find_write_bench", lambda: None)
-    assert main(["bench"]) == 1
+    monkeypatch.setattr(_commands, "_find_write_bench", lambda: None)
+    assert main(["bench"]) == 2  # no source tree: an input problem, not damage
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "benchmarks/write_bench.py" in err
 
