@@ -296,10 +296,14 @@ def find_steps(directory: str | Path) -> list[StepDir]:
     directory = Path(directory)
     if not directory.is_dir():
         raise CliError(f"no such directory: {directory}")
-    steps = []
+    steps, foreign = [], []
     for entry in directory.iterdir():
         if not (entry.is_dir() and entry.name.isdigit()):
-            continue  # Orbax temporaries, lock, trash, stripe directories
+            # Hidden entries are cocijax's own (lock, trash, stripes, running marker);
+            # Orbax's temporaries carry its marker. Anything else was put here by someone else.
+            if not entry.name.startswith(".") and ".orbax-checkpoint-tmp" not in entry.name:
+                foreign.append(entry.name)
+            continue
         if (entry / STATE_ITEM).is_dir():
             steps.append(StepDir(int(entry.name), entry, "jax"))
         elif (entry / TORCH_METADATA).is_file():
@@ -309,6 +313,11 @@ def find_steps(directory: str | Path) -> list[StepDir]:
                 f"{entry} is a step directory without a '{STATE_ITEM}' item or "
                 f"{TORCH_METADATA}: {directory} is not a cocijax checkpoint directory"
             )
+    if not steps and foreign:
+        raise CliError(
+            f"{directory} is not a cocijax checkpoint directory (it holds {sorted(foreign)[:3]} "
+            "and no step directories)"
+        )
     return sorted(steps)
 
 

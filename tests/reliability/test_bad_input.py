@@ -136,7 +136,23 @@ def test_save_decision_policy_rejects_wrong_types() -> None:
         ),
         (["plan", "{csv}", "--mtbf", "0", "--ckpt-cost", "20s", "--step-time", "1s"], 2, "mtbf"),
         (["plan", "{csv}", "--mtbf", "soon", "--ckpt-cost", "20s", "--step-time", "1s"], 2, "mtbf"),
-        (["verify", "{foreign}"], 1, "{foreign}"),
+        (["verify", "{foreign}"], 2, "{foreign}"),
+        (["ls", "{foreign}"], 2, "{foreign}"),
+        (
+            ["plan", "{binary}", "--mtbf", "4h", "--ckpt-cost", "2s", "--step-time", "1s"],
+            2,
+            "{binary}",
+        ),
+        (
+            ["plan", "{csv}", "--mtbf", "-4h", "--ckpt-cost", "20s", "--step-time", "1s"],
+            2,
+            "must be a positive duration",
+        ),
+        (
+            ["plan", "{csv}", "--mtbf=-4h", "--ckpt-cost", "20s", "--step-time", "1s"],
+            2,
+            "must be a positive duration",
+        ),
     ],
     ids=[
         "verify-missing-dir",
@@ -146,6 +162,10 @@ def test_save_decision_policy_rejects_wrong_types() -> None:
         "plan-zero-mtbf",
         "plan-bad-duration",
         "verify-foreign-dir",
+        "ls-foreign-dir",
+        "plan-binary-csv",
+        "plan-negative-mtbf",
+        "plan-negative-mtbf-equals",
     ],
 )
 def test_cli_bad_input_is_one_line_without_traceback(
@@ -156,7 +176,14 @@ def test_cli_bad_input_is_one_line_without_traceback(
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not a checkpoint")
-    subst = {"{missing}": str(tmp_path / "nope"), "{csv}": str(csv), "{foreign}": str(foreign)}
+    binary = tmp_path / "losses.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    subst = {
+        "{missing}": str(tmp_path / "nope"),
+        "{csv}": str(csv),
+        "{foreign}": str(foreign),
+        "{binary}": str(binary),
+    }
     argv = [subst.get(a, a) for a in argv]
     status = cli.main(argv)
     err = capsys.readouterr().err

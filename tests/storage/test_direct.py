@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
-from cocijax.storage import _direct, _io
+from cocijax.storage import _direct, _io, _write
 
 DTYPES = [np.float32, np.int8, np.bool_, np.float64, ml_dtypes.bfloat16, np.complex64]
 
