@@ -545,4 +545,3 @@ class CheckpointManager:
                 self._lock.release()
         except Exception:
             pass
-

@@ -45,8 +45,6 @@ from cocijax.storage._manifest import Manifest, PieceRecord
 _MiB = 1 << 20
 
 
-
-
 class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves a pytree of arrays as zarr v3 pieces striped over several storage roots.
 
@@ -421,8 +419,6 @@ def _restore_args(args: Any, item: Any) -> StripedRestore:
     return StripedRestore(item if args is None else args)
 
 
-
-
 def _check_writable(path: pathlib.Path, name: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -430,14 +426,6 @@ def _check_writable(path: pathlib.Path, name: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
-
-
-
-
-
-
-
-
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)

@@ -45,12 +45,6 @@ def make_context(concurrency: int) -> ts.Context:
     )
 
 
-
-
-
-
-
-
 async def gather_all(aws) -> list[Any]:
     """``asyncio.gather`` that lets every task finish before raising the first error."""
     results = await asyncio.gather(*aws, return_exceptions=True)
@@ -58,16 +52,6 @@ async def gather_all(aws) -> list[Any]:
         if isinstance(r, BaseException):
             raise r
     return results
-
-
-
-
-
-
-
-
-
-
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

@@ -470,9 +470,7 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
         return None  # an I/O error may pass: not remembered
     try:
         parsed = Manifest.from_json(data, source=str(manifest))
-        refs: frozenset[pathlib.Path] | None = frozenset(
-            d.resolve() for d in _stripe_dirs(parsed)
-        )
+        refs: frozenset[pathlib.Path] | None = frozenset(d.resolve() for d in _stripe_dirs(parsed))
     except (ValueError, IndexError, TypeError) as e:
         log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
         refs = None

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
-from cocijax.cli import _commands, _units
-from cocijax.cli import main
+from cocijax.cli import _commands, _units, main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 POLICY_NAMES = tuple(cj.policies.by_name.__globals__["CONSTRUCTORS"])

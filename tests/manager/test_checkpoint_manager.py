@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import jax
@@ -19,6 +20,7 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 import cocijax as cj
 from cocijax import storage
 from cocijax.manager import DirectoryLockedError
+from cocijax.storage import _write
 
 
 def small_state(seed: int = 0):
@@ -216,13 +218,16 @@ def test_step_without_manifest_is_not_listed_and_can_be_saved_again(tmp_path):
 
 
 def test_nan_loss_is_accepted_and_training_continues(tmp_path):
-    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.coci(mtbf_s=60.0)) as mngr:
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(2)) as mngr:
+        decisions = []
         for step in range(1, 6):
             loss = jnp.float32(jnp.nan) if step % 2 else jnp.float32(jnp.inf)
-            assert isinstance(mngr.save(step, small_state(), loss=loss), bool)
+            decisions.append(mngr.save(step, small_state(), loss=loss))
+        assert decisions == [False, True, False, True, False]  # the schedule goes on
         assert mngr.save(6, small_state(), loss=float("nan"), force=True)
         mngr.wait_until_finished()
-        assert mngr.latest_step() == 6
+        assert mngr.all_steps() == [2, 4, 6]
+        assert math.isnan(mngr.measurements.loss)  # what the policy saw: step 5's NaN
 
 
 def test_bad_steps_and_losses(tmp_path):
@@ -378,15 +383,18 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
             )
 
 
-def test_a_save_in_flight_is_not_listed_until_committed(tmp_path):
-    # 48 MiB: the async write is usually still running when save() returns. Whatever the timing,
-    # every step listed must already have its manifest, and the step is listed once finished.
-    state = {"w": np.ones((12, 1 << 20), np.float32)}
+def test_a_save_in_flight_is_not_listed_until_committed(tmp_path, monkeypatch):
+    # The save is held in its commit (before the stripes' fsync) until the test lets it go.
+    release = threading.Event()
+    fsync_tree = _write.fsync_tree
+    monkeypatch.setattr(_write, "fsync_tree", lambda d: (release.wait(60), fsync_tree(d)))
+    state = {"w": np.ones((4, 1 << 18), np.float32)}
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
         assert mngr.save(1, state, loss=1.0)
-        for step in mngr.all_steps():
-            assert (mngr.item_directory(step) / storage.MANIFEST_NAME).is_file()
-        assert mngr.latest_step() in (None, 1)
+        assert 1 in mngr.orbax.all_steps()  # Orbax lists the step it is writing...
+        assert mngr.all_steps() == [] and mngr.latest_step() is None  # ...cocijax does not
+        assert not (mngr.item_directory(1) / storage.MANIFEST_NAME).exists()
+        release.set()
         mngr.wait_until_finished()
         assert mngr.all_steps() == [1] and mngr.latest_step() == 1
         mngr.delete(1)

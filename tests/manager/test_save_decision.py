@@ -106,3 +106,23 @@ def test_state_json_continues_the_schedule():
     head, state = run(range(1, cut + 1))
     tail, _ = run(range(cut + 1, 41), state)
     assert head + tail == whole
+
+
+def test_a_first_save_decision_does_not_leave_it_without_a_step_time():
+    """Found by a user: a policy whose first decision is "save" saved every step for ever
+    (40 of 40, step time and cost unknown throughout). The interval after a save now stands
+    for the step time until a clean one is measured."""
+    clock = FakeClock()
+    policy = cj.policies.coci(mtbf_s=10.0, cost_prior_s=0.05)
+    sdp = cj.SaveDecisionPolicy(policy, clock=clock)
+    saves = []
+    for step in range(1, 41):
+        clock.advance(0.002)  # the training step
+        if sdp.should_save(info(step), [], context=CONTEXT):
+            saves.append(step)
+            clock.advance(0.02)  # the save Orbax makes after a "yes"
+    measured = json.loads(sdp.state_json())
+    assert measured["step_time_s"] == pytest.approx(0.002, rel=1e-6)
+    # With 2 ms steps and a 50 ms prior cost, Young's interval (1 s) is 500 steps: after the
+    # first save, none is due within 40 steps.
+    assert saves == [1], saves
