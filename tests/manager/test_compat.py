@@ -55,6 +55,6 @@ def test_a_v0_1_striped_item_restores_from_moved_roots(tmp_path):
     with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
         got = ckptr.restore(item, args=cj.StripedRestore(roots=roots))
         _assert_same(jax.tree.map(np.asarray, make_v0_1.tree(5)), jax.tree.map(np.asarray, got))
-        with pytest.raises(cj.storage.CorruptCheckpointError, match="cocijax-v0.1"):
+        with pytest.raises(cj.storage.CorruptCheckpointError, match=r"cocijax-v0\.1"):
             ckptr.restore(item, args=cj.StripedRestore())  # where the roots were: gone
     assert cj.storage.verify(item, roots=roots) == []
