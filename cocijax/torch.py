@@ -112,15 +112,22 @@ class CheckpointManager:
       RuntimeError: when a multi-rank process group is initialised.
 
     Examples:
-      >>> import cocijax as cj, cocijax.torch as cjt
-      >>> with cjt.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:  # doctest: +SKIP
+      >>> import tempfile, torch, cocijax as cj, cocijax.torch as cjt
+      >>> model = torch.nn.Linear(4, 1)
+      >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+      >>> path, n = tempfile.mkdtemp(), 250
+      >>> with cjt.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:
       ...     state = {"model": model, "optimizer": opt}
       ...     start = mngr.latest_step() or 0
       ...     if start:
-      ...         mngr.restore(target=state)
+      ...         _ = mngr.restore(target=state)
       ...     for step in range(start + 1, n + 1):
-      ...         loss = train_step(model, opt)
-      ...         mngr.save(step, state, loss=loss)
+      ...         loss = model(torch.ones(4)).pow(2).sum()
+      ...         opt.zero_grad(); loss.backward(); opt.step()
+      ...         _ = mngr.save(step, state, loss=loss)
+      ...     mngr.wait_until_finished()
+      ...     mngr.all_steps()
+      [100, 200]
     """
 
     def __init__(

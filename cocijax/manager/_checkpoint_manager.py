@@ -166,6 +166,7 @@ class CheckpointManager:
             preservation_policy=preservation_policy,
         )
         self._read_only = options.read_only
+        self._policy_warned = False  # a policy state that cannot be continued is said once
         self._async = options.enable_async_checkpointing
         self._name_format = options.step_name_format
         self._primary = jax.process_index() == (options.multiprocessing_options.primary_host or 0)
@@ -224,7 +225,6 @@ class CheckpointManager:
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
-        self._policy_warned = False
 
     def _release(self) -> None:
         """Releases the lock and the running marker (a clean end: no failure is counted)."""
@@ -476,7 +476,7 @@ class CheckpointManager:
         self._driver.step = step
 
     def _warn_policy(self, reason: str) -> None:
-        if not getattr(self, "_policy_warned", False):
+        if not self._policy_warned:
             self._policy_warned = True
             warnings.warn(
                 f"{reason}; this manager's policy starts its schedule fresh.",

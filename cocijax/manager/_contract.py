@@ -108,9 +108,9 @@ class ManagerProtocol(Protocol):
     policy state is saved with every checkpoint, so a restarted job continues its schedule.
 
     Example:
-      >>> import cocijax as cj
-      >>> isinstance(cj.CheckpointManager, type) and issubclass(
-      ...     cj.CheckpointManager, cj.manager.ManagerProtocol)
+      >>> import tempfile, cocijax as cj
+      >>> with cj.CheckpointManager(tempfile.mkdtemp()) as mngr:
+      ...     isinstance(mngr, ManagerProtocol)
       True
     """
 

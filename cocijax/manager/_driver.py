@@ -29,7 +29,10 @@ from cocijax.policies import Runner
 
 __all__ = ["PolicyDriver", "check_policy", "read_loss", "stage_loss"]
 
-_FORMAT = "cocijax.policy_state/1"
+# /2 records each leaf's key path, so a policy whose state gained fields still loads older
+# states (new fields start at their initial values); /1 (cocijax 0.1) matched by position.
+_FORMAT = "cocijax.policy_state/2"
+_FORMATS = ("cocijax.policy_state/1", _FORMAT)
 
 
 def check_policy(policy: Any) -> None:
@@ -249,7 +252,8 @@ class PolicyDriver:
           loss: the current step's loss as given by the user (read later, off the train loop).
         """
         return {
-            "leaves": jax.tree.leaves(self.state),  # feeds the recorded steps first
+            "leaves": jax.tree_util.tree_flatten_with_path(self.state)[0],  # as of this step
+            "state_type": type(self.state).__name__,
             "step": self.step,
             "step_time_s": self.step_time_s,
             "loss": loss,
@@ -260,7 +264,11 @@ class PolicyDriver:
         """Serialises a :meth:`snapshot`, with the measured cost of the save that records it."""
         return {
             "format": _FORMAT,
-            "policy_state": [_encode(leaf) for leaf in snapshot["leaves"]],
+            "state_type": snapshot["state_type"],
+            "policy_state": [
+                {"path": jax.tree_util.keystr(path), **_encode(leaf)}
+                for path, leaf in snapshot["leaves"]
+            ],
             "step": snapshot["step"],
             "step_time_s": snapshot["step_time_s"],
             "cost_s": cost_s,
@@ -278,18 +286,37 @@ class PolicyDriver:
         Raises:
           ValueError: the data was written by something else or by a different policy.
         """
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in _FORMATS:
             raise ValueError(f"{where}: not a cocijax policy state (expected format {_FORMAT}).")
-        template, treedef = jax.tree.flatten(self.policy.init())
+        initial = self.policy.init()
+        template, treedef = jax.tree_util.tree_flatten_with_path(initial)
+        paths = [jax.tree_util.keystr(path) for path, _ in template]
         entries = data["policy_state"]
-        if len(entries) != len(template):
+        state_type = type(initial).__name__
+        if data.get("state_type", state_type) != state_type:  # /1 did not record it
+            raise ValueError(
+                f"{where}: the policy state on disk is a {data['state_type']}, this policy's a "
+                f"{state_type}: it was saved by another policy"
+            )
+        if all("path" in entry for entry in entries):
+            by_path = {entry["path"]: entry for entry in entries}
+            unknown = sorted(by_path.keys() - set(paths))
+            if unknown:
+                raise ValueError(
+                    f"{where}: the policy state on disk has fields this policy does not "
+                    f"({', '.join(unknown[:3])}): it was saved by another policy"
+                )
+        elif len(entries) == len(template):
+            by_path = dict(zip(paths, entries, strict=True))
+        else:
             raise ValueError(
                 f"{where}: the policy state on disk has {len(entries)} leaves, this policy "
-                f"{len(template)}: it was saved by another policy."
+                f"{len(template)}: it was saved by another policy or an older cocijax"
             )
+        # Fields added to the policy since the state was saved keep their initial values.
         leaves = [
-            _decode(entry, like, f"{where} (leaf {i})")
-            for i, (entry, like) in enumerate(zip(entries, template, strict=True))
+            _decode(by_path[path], like, f"{where} (leaf {path})") if path in by_path else like
+            for path, (_, like) in zip(paths, template, strict=True)
         ]
         self.runner.state = jax.tree.unflatten(treedef, leaves)
         self.step = None if data["step"] is None else int(data["step"])

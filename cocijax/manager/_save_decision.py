@@ -51,13 +51,17 @@ class SaveDecisionPolicy:
       clock: monotonic clock in seconds; injectable for deterministic tests.
 
     Example:
-      >>> sdp = cj.SaveDecisionPolicy(cj.policies.coci(mtbf_s=4 * 3600.0))
-      >>> mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-      ...     save_decision_policy=sdp))
-      >>> for step in range(1, n + 1):
-      ...     state, loss = train_step(state, batch)
-      ...     sdp.observe(loss)
-      ...     mngr.save(step, args=ocp.args.StandardSave(state))
+      >>> import tempfile, numpy as np, orbax.checkpoint as ocp, cocijax as cj
+      >>> sdp = cj.SaveDecisionPolicy(cj.policies.fixed(3))
+      >>> options = ocp.CheckpointManagerOptions(save_decision_policy=sdp)
+      >>> with ocp.CheckpointManager(tempfile.mkdtemp(), options=options) as mngr:
+      ...     for step in range(1, 8):
+      ...         state, loss = {"x": np.full(3, step)}, 1.0 / step  # a training step
+      ...         sdp.observe(loss)
+      ...         _ = mngr.save(step, args=ocp.args.StandardSave(state))
+      ...     mngr.wait_until_finished()
+      ...     list(mngr.all_steps())
+      [3, 6]
     """
 
     def __init__(

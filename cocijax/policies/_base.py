@@ -147,8 +147,9 @@ def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s):
     c_ok = jnp.isfinite(c) & (c >= 0)
     step_time = _ema(clock.step_time, st, st_ok, STEP_TIME_ALPHA)
     cost = _ema(clock.cost, c, c_ok, COST_ALPHA)
-    # The real duration of this step when it is valid, else the smoothed one (1 s if none yet).
-    dt = jnp.where(st_ok, st, jnp.where(jnp.isnan(step_time), 1.0, step_time))
+    # The real duration of this step when it is valid, else the smoothed one; none before any
+    # was measured (an untimed first step, e.g. a compilation, exposes no known work).
+    dt = jnp.where(st_ok, st, jnp.where(jnp.isnan(step_time), 0.0, step_time))
     step = jnp.asarray(step, jnp.int32)
     is_new = step > clock.last_step
     return (

@@ -47,6 +47,9 @@ from cocijax.policies import _base, _horizon
 from cocijax.policies._base import Policy
 
 DEFAULT_PRIOR_RECOVERY_S = 60.0
+# Re-plan when the step time, save cost, failure rate or recovery cost is off by this much (in
+# log terms, ~20%) from the plan's.
+REPLAN_DRIFT = 0.2
 
 
 class CociState(NamedTuple):
@@ -160,6 +163,7 @@ def coci(
             jnp.zeros(bins + 1, jnp.float32),
             jnp.ones(bins, jnp.float32),
             jnp.zeros(bins + 1, jnp.float32),
+            _horizon.costs(1.0, cost_prior_s, prior_rec, prior_mtbf),
         )
         return CociState(
             _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
@@ -177,8 +181,8 @@ def coci(
         )
         edges, reaches_end = _horizon.edges_for(k, n_end, per_step)
         weights = weight_at(0.5 * (edges[1:] + edges[:-1]))
-        plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges))
-        return _horizon.values(plan, costs, end_without_save=known_end & reaches_end)
+        plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges), costs)
+        return _horizon.values(plan, end_without_save=known_end & reaches_end)
 
     def update(
         state: CociState,
@@ -252,12 +256,14 @@ def coci(
         interval = 1.0 / (jnp.sqrt(costs.lam * w / (2.0 * cost)) * tau)  # steps, first order
         stale = state.plan_step == 0
         stale = stale | (k >= state.plan_step + jnp.maximum(rf * interval, 1.0))
+        # A plan decides in its own cost model: redo it when the measurements moved away.
+        moved = jnp.stack([a / b for a, b in zip(costs, state.plan.costs, strict=True)])
+        stale = stale | jnp.any(jnp.abs(jnp.log(jnp.maximum(moved, 1e-30))) > REPLAN_DRIFT)
 
         def replan(_):
             plan = make_plan(w, k, n_total, costs)
             rollback = _horizon.value_before(
                 plan,
-                costs,
                 behind=(k - state.last_save.astype(jnp.float32)) * tau,
                 exposure=exposure,
                 end_without_save=known_end & (plan.edges[-1] >= n_total),
@@ -270,7 +276,6 @@ def coci(
             )
             save, next_edge = _horizon.decide(
                 plan,
-                costs,
                 step=k,
                 exposure=exposure,
                 rollback_value=rollback,

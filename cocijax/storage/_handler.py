@@ -55,8 +55,10 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
     roots recorded in its manifest).
 
     Example:
-      >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])  # doctest: +SKIP
-      >>> with ocp.AsyncCheckpointer(handler) as ckptr:  # doctest: +SKIP
+      >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+      >>> tmp = pathlib.Path(tempfile.mkdtemp())
+      >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])
+      >>> with ocp.AsyncCheckpointer(handler) as ckptr:
       ...     ckptr.save(tmp / "ckpt", args=StripedSave({"w": jnp.ones(4)}))
       ...     ckptr.wait_until_finished()
       ...     ckptr.restore(tmp / "ckpt", args=StripedRestore())

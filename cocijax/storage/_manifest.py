@@ -333,8 +333,12 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
       CheckpointFormatError: the manifest is missing, not valid JSON, or not a cocijax manifest.
 
     Example:
-      >>> m = read_manifest(path)  # doctest: +SKIP
-      >>> [leaf.path for leaf in m.leaves]  # doctest: +SKIP
+      >>> import tempfile, numpy as np, orbax.checkpoint as ocp, cocijax as cj
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "item"
+      >>> with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+      ...     ckptr.save(path, args=cj.StripedSave({"w": np.zeros(3), "step": 7}))
+      >>> [(leaf.path, leaf.kind, leaf.shape) for leaf in read_manifest(path).leaves]
+      [("['step']", 'int', ()), ("['w']", 'numpy', (3,))]
     """
     return _read_json(pathlib.Path(item_dir) / MANIFEST_NAME)
 
@@ -527,7 +531,7 @@ def check_tree(tree: Any) -> None:
       >>> check_tree({"w": [1.0, 2.0], "bad": {"leaf": object()}})
       Traceback (most recent call last):
       ...
-      TypeError: Leaf ['bad']['leaf']: unsupported type object; expected a jax.Array, ...
+      UnsupportedLeafError: Leaf ['bad']['leaf']: unsupported type object; ...
     """
     for path, leaf in _tree.flatten(tree)[0]:
         _tree.leaf_kind(path, leaf)

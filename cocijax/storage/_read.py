@@ -240,7 +240,12 @@ def verify(
       The problems found, one per defective piece; ``[]`` when the item is intact.
 
     Example:
-      >>> assert cj.storage.verify(path / "default") == []  # doctest: +SKIP
+      >>> import tempfile, numpy as np, orbax.checkpoint as ocp, cocijax as cj
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "item"
+      >>> with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+      ...     ckptr.save(path, args=cj.StripedSave({"w": np.arange(3.0)}))
+      >>> verify(path)
+      []
     """
     item_dir = pathlib.Path(item_dir)
     try:

@@ -159,6 +159,51 @@ def test_policy_schedule_continues_after_reopen(tmp_path):
     assert_trees_bit_equal(resumed_state, whole_state)
 
 
+def _save_two_steps(directory: Path, policy) -> Path:
+    with cj.CheckpointManager(directory, policy=policy) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"x": jnp.ones(3)}, loss=1.0 / step, force=True)
+        saved = mngr.policy_state
+    return saved
+
+
+def test_a_policy_state_of_another_policy_is_said_once_and_the_schedule_starts_fresh(tmp_path):
+    _save_two_steps(tmp_path, cj.policies.fixed(5))
+    coci = cj.policies.coci(mtbf_s=60.0, recovery_s=0.0, total_steps=50)
+    said = r"2/policy: .*another policy.*starts its schedule"
+    with (
+        pytest.warns(RuntimeWarning, match=said),
+        cj.CheckpointManager(tmp_path, policy=coci) as mngr,
+    ):
+        assert_trees_bit_equal(mngr.policy_state, coci.init())
+        mngr.save(3, {"x": jnp.ones(3)}, loss=0.3)  # and the manager works on
+    # The data saved before is all there.
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with cj.CheckpointManager(tmp_path, options=options) as reader:
+        assert reader.all_steps()[:2] == [1, 2]
+        assert (
+            np.asarray(reader.restore(1, target=abstract({"x": jnp.ones(3)}))["x"]).tolist()
+            == [1.0] * 3
+        )
+
+
+def test_a_field_added_to_a_policy_state_takes_its_initial_value(tmp_path):
+    # A newer cocijax whose policy state gained a field must continue an older state: drop
+    # one field from the state on disk, as an older version would have written it.
+    policy = cj.policies.coci(mtbf_s=60.0, recovery_s=0.0, total_steps=50)
+    saved = _save_two_steps(tmp_path, policy)
+    state_file = tmp_path / "2" / "policy" / "policy_state.json"
+    data = json.loads(state_file.read_text())
+    kept = [e for e in data["policy_state"] if e["path"] != ".exposure"]
+    assert len(kept) == len(data["policy_state"]) - 1
+    state_file.write_text(json.dumps({**data, "policy_state": kept}))
+    with cj.CheckpointManager(tmp_path, policy=policy) as mngr:
+        loaded = mngr.policy_state
+    assert_trees_bit_equal(loaded._replace(exposure=saved.exposure), saved)
+    assert np.asarray(loaded.exposure) == np.asarray(policy.init().exposure)
+    assert np.asarray(saved.exposure) != np.asarray(policy.init().exposure)
+
+
 def test_max_to_keep_and_delete_remove_stripes_on_every_root(tmp_path):
     roots = [tmp_path / "r0", tmp_path / "r1"]
     with cj.CheckpointManager(

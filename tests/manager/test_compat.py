@@ -2,7 +2,6 @@
 
 import importlib.util
 import shutil
-import warnings
 from pathlib import Path
 
 import jax
@@ -38,14 +37,18 @@ def test_a_v0_1_managed_directory_restores_bit_exact_and_continues(tmp_path):
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, expected
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the policy state of the same policy loads silently
-        with cj.CheckpointManager(directory, policy=policy) as mngr:
-            assert mngr.all_steps() == [4, 8]
-            _assert_same(expected, mngr.restore(target=abstract))
-            assert mngr.save(9, expected, loss=0.3, force=True)
-            mngr.wait_until_finished()
-            assert mngr.all_steps() == [4, 8, 9]
+    # 0.1 stored coci's state by position, without field names: coci's state has grown since
+    # (the cost model of its plan), so the schedule restarts; the data must not be touched.
+    said = "older cocijax; .* starts its schedule fresh"
+    with (
+        pytest.warns(RuntimeWarning, match=said),
+        cj.CheckpointManager(directory, policy=policy) as mngr,
+    ):
+        assert mngr.all_steps() == [4, 8]
+        _assert_same(expected, mngr.restore(target=abstract))
+        assert mngr.save(9, expected, loss=0.3, force=True)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8, 9]
 
 
 def test_a_v0_1_striped_item_restores_from_moved_roots(tmp_path):
