@@ -29,7 +29,6 @@ __all__ = [
     "Rule",
     "at_least",
     "check",
-    "check_step",
     "problem",
 ]
 
@@ -85,18 +84,3 @@ def check(name: str, value: Any, rule: Rule) -> Any:
     if wrong is not None:
         raise ValueError(f"{name} {wrong}.")
     return int(value) if rule.integer else float(value)
-
-
-def check_step(step: Any) -> int:
-    """A training step as given to a manager's ``save``: an ``int`` (or NumPy integer) >= 1.
-
-    Raises:
-      TypeError: ``step`` is not an integer (a float, a string, a bool, None).
-      ValueError: ``step`` is below 1.
-    """
-    if isinstance(step, bool) or not hasattr(step, "__index__"):
-        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}.")
-    step = step.__index__()
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the number of completed training steps), got {step}.")
-    return step

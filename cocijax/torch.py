@@ -194,16 +194,7 @@ class CheckpointManager:
 
         Unlike the JAX manager, the loss is this step's own (read at once, not one step late).
         """
-        loss, step_time, cost = self._driver.inputs
-        return Measurements(
-            step_time,
-            loss,
-            cost,
-            self._driver.cost_s,
-            self._driver.mtbf_s,
-            self._driver.recovery_s,
-            self._history.failures,
-        )
+        return self._driver.measurements()
 
     @property
     def checkpoint_cost_s(self) -> float:

@@ -49,9 +49,9 @@ class _PolicyNames:
     """
 
     def _names(self) -> tuple[str, ...]:
-        from cocijax.policies import _by_name
+        from cocijax import policies
 
-        return (*_by_name.CONSTRUCTORS, "all")
+        return (*policies.names(), "all")
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()

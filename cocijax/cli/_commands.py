@@ -181,9 +181,9 @@ def plan(args: argparse.Namespace) -> int:
             raise CliError(f"cannot write --plot {args.plot}: no such directory")
     history = read_losses(args.losses)
     if args.policy == "all":
-        from cocijax.policies import _by_name
+        from cocijax import policies
 
-        names = [p for p in _by_name.CONSTRUCTORS if p != "fixed" or args.every is not None]
+        names = [p for p in policies.names() if p != "fixed" or args.every is not None]
     else:
         names = [args.policy]
     rows = plan_policies(history, names, args)

@@ -258,16 +258,7 @@ class CheckpointManager:
     @property
     def measurements(self) -> Measurements:
         """The inputs of the policy's last decision (see :class:`Measurements`)."""
-        loss, step_time, cost = self._driver.inputs
-        return Measurements(
-            step_time,
-            loss,
-            cost,
-            self._driver.cost_s,
-            self._driver.mtbf_s,
-            self._driver.recovery_s,
-            self._history.failures,
-        )
+        return self._driver.measurements()
 
     @property
     def restored_step(self) -> int | None:

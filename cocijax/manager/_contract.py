@@ -4,7 +4,8 @@
 and :class:`cocijax.torch.CheckpointManager` (PyTorch, DCP) both implement: call ``save`` after
 every training step and a policy decides. Both raise the same errors for the same misuse:
 
-* a closed manager: :class:`ManagerClosedError`;
+* ``save`` or ``restore`` on a closed manager: :class:`ManagerClosedError` (listing the steps
+  still answers; closing again does nothing);
 * a directory another manager writes to: :class:`DirectoryLockedError`;
 * a step that is not an integer: ``TypeError``; below 1, or not after the latest saved step or
   the previous call's step: ``ValueError`` (:func:`check_step` and :func:`check_step_order`

@@ -24,6 +24,7 @@ from typing import Any, final
 import jax
 import numpy as np
 
+from cocijax.manager._contract import Measurements
 from cocijax.manager._history import RunHistory
 from cocijax.policies import Runner
 
@@ -182,11 +183,18 @@ class PolicyDriver:
         """The recovery time passed to the policy (NaN until one is measured)."""
         return math.nan if self.history is None else self.history.recovery_s
 
-    @property
-    def inputs(self) -> tuple[float, float, float]:
-        """``(loss, step_time_s, cost_s)`` of the last :meth:`decide` call (reads the loss)."""
+    def measurements(self) -> Measurements:
+        """The inputs of the last :meth:`decide` call (reads its loss) and what the job learned."""
         loss, step_time, cost = self._last
-        return read_loss(loss), step_time, cost
+        return Measurements(
+            step_time_s=step_time,
+            loss=read_loss(loss),
+            cost_estimate_s=cost,
+            last_save_s=self.cost_s,
+            mtbf_s=self.mtbf_s,
+            recovery_s=self.recovery_s,
+            failures=0 if self.history is None else self.history.failures,
+        )
 
     def restart_timing(self) -> None:
         """The next interval is not timed (after opening, or a restore: compilation, loading)."""

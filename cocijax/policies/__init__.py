@@ -9,7 +9,7 @@ Example:
 """
 
 from cocijax.policies._base import Policy, default_prior_mtbf_s
-from cocijax.policies._by_name import by_name
+from cocijax.policies._by_name import by_name, names
 from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
 from cocijax.policies._coci import CociState, coci
 from cocijax.policies._paper import coci_paper
@@ -29,6 +29,7 @@ __all__ = [
     "daly_interval",
     "default_prior_mtbf_s",
     "fixed",
+    "names",
     "next_check",
     "plan",
     "update_many",

@@ -184,47 +184,20 @@ def coci(
         plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges), costs)
         return _horizon.values(plan, end_without_save=known_end & reaches_end)
 
-    def update(
-        state: CociState,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        clock, is_new, dt = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+    def rule(state: CociState, seen: _base.Seen):
+        clock, is_new, dt = _base.clock_tick(state.clock, seen)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         k = clock.last_step.astype(jnp.float32)
-        mtbf = _base.resolve(given_mtbf, mtbf_s, prior_mtbf)
-        rec_s = _base.resolve(given_rec, recovery_s, prior_rec, zero_ok=True)
+        mtbf = _base.resolve(given_mtbf, seen.mtbf_s, prior_mtbf)
+        rec_s = _base.resolve(given_rec, seen.recovery_s, prior_rec, zero_ok=True)
         # Without total_steps the plan is open-ended (edges_for stops at its own horizon).
         n_total = jnp.float32(total_steps) if known_end else jnp.float32(2.0**30)
         n_guess = n_total if known_end else jnp.maximum(math.sqrt(h_lo * h_hi) * k, k + 1.0)
         span = jnp.maximum(3.0, n_guess / 200.0)
         alpha = 2.0 / (span + 1.0)
 
-        # Online estimates of the progress rate (module docstring).
-        loss = jnp.asarray(loss, jnp.float32)
-        valid = jnp.isfinite(loss) & is_new
-        y = jnp.where(valid, loss, 0.0)
-        count = state.count + valid.astype(jnp.int32)
-        n = count.astype(jnp.float32)
-        gain = jnp.maximum(alpha, 1.0 / jnp.maximum(n, 1.0))  # warm up as a plain mean
-        level = jnp.where(
-            valid, jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
-            state.level,
-        )  # fmt: skip
-        envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
-        start = jnp.where(
-            valid & (n <= span + 1.0),
-            jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / n),
-            state.start,
-        )
-        drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
-        rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
-        warm = 1.0 - jnp.power(1.0 - alpha, n)
+        count, level, envelope, start, rate = _track(state, seen.loss, is_new, alpha, span)
+        warm = 1.0 - jnp.power(1.0 - alpha, count.astype(jnp.float32))
         rate_hat = rate / jnp.maximum(warm, 1e-6)  # loss drop per step
 
         def weight_if_ends_at(n_end):
@@ -237,19 +210,9 @@ def coci(
         if known_end:
             w = weight_if_ends_at(n_total)
         else:
-            # The job may end anywhere in [lo, hi] x the steps so far. Minimax regret in log
-            # density: the geometric middle of the two weights, and never on the other side
-            # of 1 (Young) from either of them, so that no end in the range makes it worse
-            # than Young's rule at this step.
             w_lo = weight_if_ends_at(jnp.maximum(h_lo * k, k + 1.0))
             w_hi = weight_if_ends_at(jnp.maximum(h_hi * k, k + 1.0))
-            mid = jnp.sqrt(w_lo * w_hi)
-            w = jnp.where(
-                w_lo >= 1.0,
-                jnp.minimum(mid, w_lo * w_lo),
-                jnp.where(w_hi <= 1.0, jnp.maximum(mid, w_hi * w_hi), 1.0),
-            )
-            w = jnp.clip(w, tw, wmax)
+            w = jnp.clip(_between(w_lo, w_hi), tw, wmax)
         exposure = state.exposure + w * dt
 
         costs = _horizon.costs(tau, cost, rec_s, mtbf)
@@ -283,7 +246,7 @@ def coci(
             )
             save = save & (k < n_total)  # a save after the last step protects nothing
             replan_at = plan_step.astype(jnp.float32) + jnp.maximum(rf * interval, 1.0)
-            next_check = _base.halfway(step, jnp.minimum(next_edge, replan_at) - k)
+            next_check = _base.halfway(seen.step, jnp.minimum(next_edge, replan_at) - k)
             # A new segment starts here: plan it from here now, so its value is exact.
             plan, plan_step, rollback = jax.lax.cond(
                 save,
@@ -302,10 +265,10 @@ def coci(
             )  # fmt: skip
 
         save, plan, plan_step, rollback, next_check = jax.lax.cond(
-            _base.checking(clock, step), check, skip, None
+            _base.checking(clock, seen.step), check, skip, None
         )
         return save, CociState(
-            clock=_base.clock_saved(clock, save, step, next_check),
+            clock=_base.clock_saved(clock, save, seen.step, next_check),
             count=count,
             level=level,
             envelope=envelope,
@@ -319,4 +282,46 @@ def coci(
             rollback=rollback,
         )
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(init, rule)
+
+
+def _track(state: CociState, loss, is_new, alpha, span):
+    """Online estimates of the progress rate (module docstring), fed one loss.
+
+    Returns:
+      ``(count, level, envelope, start, rate)``, the new values of those state fields.
+    """
+    loss = jnp.asarray(loss, jnp.float32)
+    valid = jnp.isfinite(loss) & is_new
+    y = jnp.where(valid, loss, 0.0)
+    count = state.count + valid.astype(jnp.int32)
+    n = count.astype(jnp.float32)
+    gain = jnp.maximum(alpha, 1.0 / jnp.maximum(n, 1.0))  # warm up as a plain mean
+    level = jnp.where(
+        valid, jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
+        state.level,
+    )  # fmt: skip
+    envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
+    start = jnp.where(
+        valid & (n <= span + 1.0),
+        jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / n),
+        state.start,
+    )
+    drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
+    rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
+    return count, level, envelope, start, rate
+
+
+def _between(w_lo, w_hi):
+    """The weight when the job may end anywhere between the ends that give ``w_lo``, ``w_hi``.
+
+    Minimax regret in log density: the geometric middle of the two, and never on the other side
+    of 1 (Young) from either of them, so that no end in the range makes the step's decision
+    worse than Young's rule.
+    """
+    mid = jnp.sqrt(w_lo * w_hi)
+    return jnp.where(
+        w_lo >= 1.0,
+        jnp.minimum(mid, w_lo * w_lo),
+        jnp.where(w_hi <= 1.0, jnp.maximum(mid, w_hi * w_hi), 1.0),
+    )

@@ -385,21 +385,26 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._executor = self._io_executor = None
 
 
+def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:
+    """``expected`` args from either calling style: ``args=Expected(x)`` or the old ``item=x``."""
+    name = expected.__name__
+    if isinstance(args, expected) and item is None:
+        return args
+    if isinstance(args, checkpoint_args.CheckpointArgs):
+        raise ValueError(
+            f"StripedCheckpointHandler {verb}s with cocijax.{name} args, got "
+            f"{type(args).__name__}; write args=cocijax.{name}({what})."
+        )
+    if args is not None and item is not None:
+        raise ValueError(f"{verb}: pass the {what} once, as args={name}({what}) or as item=.")
+    return expected(item if args is None else args)
+
+
 def _save_args(args: Any, item: Any) -> StripedSave:
     """:class:`StripedSave` from either calling style."""
-    if isinstance(args, StripedSave) and item is None:
-        save = args
-    elif isinstance(args, checkpoint_args.CheckpointArgs):
-        raise ValueError(
-            f"StripedCheckpointHandler saves with cocijax.StripedSave args, got "
-            f"{type(args).__name__}; write args=cocijax.StripedSave(tree)."
-        )
-    elif args is not None and item is not None:
-        raise ValueError("save: pass the tree once, as args=StripedSave(tree) or as item=.")
-    elif args is None and item is None:
+    if args is None and item is None:
         raise ValueError("save: nothing to save; pass args=cocijax.StripedSave(tree).")
-    else:
-        save = StripedSave(item if args is None else args)
+    save = _either_style(args, item, StripedSave, "save", "tree")
     try:
         json.dumps(save.custom_metadata)
     except (TypeError, ValueError) as e:
@@ -409,16 +414,7 @@ def _save_args(args: Any, item: Any) -> StripedSave:
 
 def _restore_args(args: Any, item: Any) -> StripedRestore:
     """:class:`StripedRestore` from either calling style."""
-    if isinstance(args, StripedRestore) and item is None:
-        return args
-    if isinstance(args, checkpoint_args.CheckpointArgs):
-        raise ValueError(
-            f"StripedCheckpointHandler restores with cocijax.StripedRestore args, got "
-            f"{type(args).__name__}; write args=cocijax.StripedRestore(target)."
-        )
-    if args is not None and item is not None:
-        raise ValueError("restore: pass the target once, as args=StripedRestore(target) or item=.")
-    return StripedRestore(item if args is None else args)
+    return _either_style(args, item, StripedRestore, "restore", "target")
 
 
 def _check_writable(path: pathlib.Path, name: str) -> None:

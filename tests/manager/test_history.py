@@ -1,9 +1,14 @@
-"""The job history a checkpoint directory keeps: failures, uptime, MTBF estimate, recovery."""
+"""The job history a checkpoint directory keeps (failures, uptime, MTBF, recovery), and its use."""
 
 import math
+import subprocess
+import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import cocijax as cj
 from cocijax.manager._history import MARKER, RunHistory
 
 
@@ -88,3 +93,47 @@ def test_bad_saved_values_fall_back_to_none_known(tmp_path, bad):
 def test_readers_do_not_mark_the_directory(tmp_path):
     RunHistory(tmp_path, clock=Clock(), writer=False)
     assert not (tmp_path / MARKER).exists()
+
+
+_KILLED_RUN = """
+import os, sys
+import jax.numpy as jnp
+import cocijax as cj
+
+policy = cj.policies.young(prior_mtbf_s=7200.0, cost_prior_s=1.0)
+mngr = cj.CheckpointManager(sys.argv[1], policy=policy, prior_mtbf_s=7200.0)
+for step in range(1, 4):
+    mngr.save(step, {"x": jnp.ones(2)}, loss=1.0, force=step == 3)
+mngr.wait_until_finished()
+os.kill(os.getpid(), 9)  # a node failure: no close, no atexit
+"""
+
+
+def test_the_manager_learns_a_failure_and_passes_mtbf_and_recovery_to_the_policy(tmp_path):
+    killed = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path)], timeout=300)
+    assert killed.returncode == -9
+    assert (tmp_path / MARKER).exists()  # the killed run left its marker
+
+    policy = cj.policies.young(prior_mtbf_s=7200.0, cost_prior_s=1.0)
+    with cj.CheckpointManager(tmp_path, policy=policy, prior_mtbf_s=7200.0) as mngr:
+        m = mngr.measurements
+        assert m.failures == 1
+        # (prior + uptime) / (1 + failures); the killed run trained for seconds at most.
+        assert 3600.0 < m.mtbf_s < 3600.0 + 60.0
+        assert math.isnan(m.recovery_s)  # nothing restored yet
+        mngr.restore(target={"x": jax.ShapeDtypeStruct((2,), jnp.float32)})
+        mngr.save(4, {"x": jnp.ones(2)}, loss=1.0)
+        # From this process's start (imports, opening, restore) to the first step after it.
+        assert 0.0 < mngr.measurements.recovery_s < 300.0
+        mngr.save(5, {"x": jnp.ones(2)}, loss=1.0, force=True)
+    assert not (tmp_path / MARKER).exists()  # a clean close
+    with cj.CheckpointManager(tmp_path, policy=policy, prior_mtbf_s=7200.0) as mngr:
+        assert mngr.measurements.failures == 1  # the failure travelled with the checkpoint
+        assert 0.0 < mngr.measurements.recovery_s < 300.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, "4h"])
+def test_a_bad_prior_mtbf_is_refused_by_name(tmp_path, bad):
+    with pytest.raises(ValueError, match="prior_mtbf_s"):
+        cj.CheckpointManager(tmp_path, prior_mtbf_s=bad)
+    assert not (tmp_path / MARKER).exists()  # refused before anything was marked
