@@ -168,7 +168,7 @@ def replan_ms(repeats: int = 50) -> float:
         edges, _ = _horizon.edges_for(step, 20000.0, dens)
         weights = 0.25 + 4.0 * (step / (0.5 * (edges[1:] + edges[:-1]))) ** 1.5
         return _horizon.values(
-            _horizon.Plan(edges, weights, jnp.zeros_like(edges)), costs, end_without_save=True
+            _horizon.Plan(edges, weights, jnp.zeros_like(edges), costs), end_without_save=True
         ).values
 
     jax.block_until_ready(plan(100.0))

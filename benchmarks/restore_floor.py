@@ -10,8 +10,8 @@ repeat and with the page cache of every file evicted before each run:
   32 Python threads into fresh page-aligned buffers: no TensorStore, checksums or jax. This is
   what reading these bytes costs on the machine, the floor for any restore of this layout.
 
-Run: ``python benchmarks/restore_floor.py [--repeat N] [--dir DIR] [--no-write]``. Prints a table
-and rewrites the ``restore_floor`` section of BENCHMARKS.md.
+Run: ``python benchmarks/restore_floor.py [--repeat N] [--dir DIR] [--write]``. Prints a table;
+``--write`` also rewrites the ``restore_floor`` section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="runs per method (median kept)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk")
-    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    parser.add_argument("--write", action="store_true", help="record the section in BENCHMARKS.md")
     args = parser.parse_args(argv)
 
     import jax
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({nbytes / 2**20:.0f} MiB) with nothing else took {median['plain read']:.3f} s."
     )
     print("\n".join(lines), "", verdict, sep="\n")
-    if not args.no_write:
+    if args.write:
         stamp = datetime.datetime.now(datetime.UTC)
         write_section(
             SECTION,

@@ -48,9 +48,17 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import numpy as np
 
 from cocijax import policies as _policies
-from cocijax._manager_dir import DirectoryLock
-from cocijax._policy_driver import PolicyDriver
-from cocijax.manager import Measurements
+from cocijax._validate import POSITIVE, check
+from cocijax.manager._contract import (
+    ManagerClosedError,
+    Measurements,
+    check_step,
+    check_step_order,
+)
+from cocijax.manager._driver import PolicyDriver
+from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._lock import DirectoryLock
+from cocijax.storage import fsync_dir
 
 __all__ = ["CheckpointManager"]
 
@@ -104,15 +112,22 @@ class CheckpointManager:
       RuntimeError: when a multi-rank process group is initialised.
 
     Examples:
-      >>> import cocijax as cj, cocijax.torch as cjt
-      >>> with cjt.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:  # doctest: +SKIP
+      >>> import tempfile, torch, cocijax as cj, cocijax.torch as cjt
+      >>> model = torch.nn.Linear(4, 1)
+      >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+      >>> path, n = tempfile.mkdtemp(), 250
+      >>> with cjt.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:
       ...     state = {"model": model, "optimizer": opt}
       ...     start = mngr.latest_step() or 0
       ...     if start:
-      ...         mngr.restore(target=state)
+      ...         _ = mngr.restore(target=state)
       ...     for step in range(start + 1, n + 1):
-      ...         loss = train_step(model, opt)
-      ...         mngr.save(step, state, loss=loss)
+      ...         loss = model(torch.ones(4)).pow(2).sum()
+      ...         opt.zero_grad(); loss.backward(); opt.step()
+      ...         _ = mngr.save(step, state, loss=loss)
+      ...     mngr.wait_until_finished()
+      ...     mngr.all_steps()
+      [100, 200]
     """
 
     def __init__(
@@ -122,8 +137,10 @@ class CheckpointManager:
         policy: _policies.Policy | None = None,
         max_to_keep: int | None = None,
         use_async: bool = True,
+        prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        age = process_age_s()
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -133,10 +150,19 @@ class CheckpointManager:
             )
         self._dir = Path(directory)
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._driver = PolicyDriver(policy if policy is not None else _policies.coci())
+        prior = _policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
+        prior = check("prior_mtbf_s", prior, POSITIVE)
         # Before anything is cleaned up: a second writer would remove the first's save in flight.
         self._dir_lock = DirectoryLock(self._dir)
         self._dir_lock.acquire()
+        self._history = RunHistory(self._dir, clock=clock, opened_at_age_s=age)
+        self._driver = PolicyDriver(
+            policy if policy is not None else _policies.coci(),
+            clock=clock,
+            history=self._history,
+            prior_mtbf_s=prior,
+        )
+        self._policy_warned = False
         self._max_to_keep = max_to_keep
         self._use_async = use_async
         self._clock = clock
@@ -147,11 +173,9 @@ class CheckpointManager:
 
         self._remove_uncommitted()
         self._steps = self._scan_steps()
+        self._history.adopt(None)
         if self._steps:
-            self._load_policy_state(self._steps[-1])
-        # Step time is measured from the end of the previous `save`; the first one counts from
-        # here (set-up, restore and the first step), the only reference point there is.
-        self._last_return = self._clock()
+            self._load_policy_state(self._steps[-1], history=True)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -170,8 +194,7 @@ class CheckpointManager:
 
         Unlike the JAX manager, the loss is this step's own (read at once, not one step late).
         """
-        loss, step_time, cost = self._driver.inputs
-        return Measurements(step_time, loss, cost, self._driver.cost_s)
+        return self._driver.measurements()
 
     @property
     def checkpoint_cost_s(self) -> float:
@@ -210,44 +233,28 @@ class CheckpointManager:
           TypeError: when ``step`` is not an int or ``loss`` is not a number.
         """
         self._check_open()
-        now = self._clock()
         step = _as_step(step)
-        latest = self.latest_step()
-        if latest is not None and step <= latest:
-            raise ValueError(
-                f"step must be larger than the latest saved step {latest} in {self._dir}, "
-                f"got step={step}"
-            )
-        if self._driver.step is not None and step <= self._driver.step:
-            raise ValueError(
-                f"step must be larger than the previous call's step {self._driver.step}, got "
-                f"step={step}; call save once per training step with increasing steps"
-            )
+        check_step_order(step, self.latest_step(), self._driver.step, self._dir)
         if _RESERVED_KEY in state:
             raise ValueError(f"state key {_RESERVED_KEY!r} is reserved by cocijax.torch")
         loss = _as_float(loss)
-        decision = self._driver.decide(step, loss=loss, step_time_s=now - self._last_return)
-        if not (decision or force):
-            self._last_return = self._clock()
+        if not (self._driver.decide(step, loss=loss) or force):
             return False
-
-        t0 = self._clock()
-        self._wait_pending()
-        state_dict = self._to_state_dict(state)
-        state_dict[_RESERVED_KEY] = {"step": step, "rng": _rng_state()}
-        snapshot = self._driver.snapshot(loss)
         tmp = self._dir / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._steps.append(step)
         try:
-            if self._use_async:
-                write = dcp.async_save(state_dict, checkpoint_id=tmp, no_dist=True)
-            else:
-                dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
-                write = None
-            end = self._clock()
-            # The stall this save cost the loop: waiting for the previous save plus staging.
-            self._driver.cost_s = end - t0
+            # The stall this save costs the loop: waiting for the previous save plus staging.
+            with self._driver.saving():
+                self._wait_pending()
+                state_dict = self._to_state_dict(state)
+                state_dict[_RESERVED_KEY] = {"step": step, "rng": _rng_state()}
+                snapshot = self._driver.snapshot(loss)
+                if self._use_async:
+                    write = dcp.async_save(state_dict, checkpoint_id=tmp, no_dist=True)
+                else:
+                    dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+                    write = None
             meta = {
                 "format": _FORMAT,
                 "step": step,
@@ -261,7 +268,6 @@ class CheckpointManager:
         except BaseException:
             self._abandon(step, tmp)
             raise
-        self._last_return = self._clock()
         return True
 
     def _abandon(self, step: int, tmp: Path) -> None:
@@ -282,7 +288,7 @@ class CheckpointManager:
                 raise RuntimeError(f"saving step {step} to {tmp} failed: {_dcp_message(e)}") from e
             _write_json(tmp / METADATA_NAME, meta)
             os.rename(tmp, self._dir / str(step))
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         except BaseException:
             self._abandon(step, tmp)
             raise
@@ -348,7 +354,8 @@ class CheckpointManager:
         out = self._from_state_dict(target, state_dict)
         _set_rng_state(state_dict[_RESERVED_KEY]["rng"])
         self._load_policy_state(step)
-        self._last_return = self._clock()
+        self._driver.restart_timing()
+        self._history.restored()
         return out
 
     # ----------------------------------------------------------------------------- helpers
@@ -383,15 +390,22 @@ class CheckpointManager:
                 out[key] = loaded[key]
         return out
 
-    def _load_policy_state(self, step: int) -> None:
+    def _load_policy_state(self, step: int, *, history: bool = False) -> None:
         path = self._dir / str(step) / METADATA_NAME
         meta = _read_json(path)
+        if history:
+            self._driver.load_history(meta.get("policy"))
         try:
             self._driver.load_json(meta.get("policy"), where=str(path))
         except (KeyError, TypeError, ValueError) as e:
-            # A different policy than at save time: its schedule cannot continue, start afresh.
-            warnings.warn(f"{e} Starting the schedule over.", stacklevel=3)
-            self._driver = PolicyDriver(self._driver.policy)
+            # A different policy than at save time: its schedule cannot continue. Said once.
+            if not self._policy_warned:
+                self._policy_warned = True
+                warnings.warn(
+                    f"{e}; this manager's policy starts its schedule fresh.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _scan_steps(self) -> list[int]:
         steps = []
@@ -414,7 +428,7 @@ class CheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"CheckpointManager for {self._dir} is closed")
+            raise ManagerClosedError(f"CheckpointManager for {self._dir} is closed.")
 
     def close(self) -> None:
         """Waits for the save in flight and releases the background thread."""
@@ -425,6 +439,7 @@ class CheckpointManager:
         finally:
             self._executor.shutdown(wait=True)
             self._closed = True
+            self._history.close()
             self._dir_lock.release()
 
     def __enter__(self) -> CheckpointManager:
@@ -451,13 +466,10 @@ def _dcp_message(e: BaseException) -> str:
 
 
 def _as_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int | np.integer):
-        if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
-            return int(step.item())
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (completed training steps), got {step}")
-    return int(step)
+    """:func:`check_step`, which also takes a one-element integer tensor."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    return check_step(step)
 
 
 def _as_float(loss: Any) -> float:
@@ -544,11 +556,3 @@ def _read_json(path: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise ValueError(f"{path} is not cocijax.torch metadata (expected format {_FORMAT!r})")
     return meta
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     m = mngr.measurements
                     progress.console.print(
                         f"step {step:>6}: saved  (policy saw: step {ms(m.step_time_s, 1)},"
-                        f" save cost {ms(m.cost_estimate_s)}, loss {m.loss:.4f}; "
+                        f" save cost {ms(m.cost_estimate_s)}, loss "
+                        f"{'unknown' if math.isnan(m.loss) else f'{m.loss:.4f}'}; "
                         f"this save blocked {ms(m.last_save_s)})"
                     )
                 if step == args.kill_at:

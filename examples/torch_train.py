@@ -24,7 +24,6 @@ from sklearn.datasets import load_digits
 
 import cocijax as cj
 import cocijax.torch as cjt
-from cocijax._units import format_duration, parse_duration
 
 
 class DigitsCNN(torch.nn.Module):
@@ -66,9 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
         "--mtbf",
-        type=parse_duration,
-        default="2m",
-        help="assumed mean time between failures (default 2m)",
+        type=float,
+        default=120.0,
+        help="assumed mean time between failures in seconds (default 120)",
     )
     parser.add_argument(
         "--policy",
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean().item()
         console.print(
-            f"saved after steps {saves} (measured stall {format_duration(mngr.checkpoint_cost_s)}"
+            f"saved after steps {saves} (measured stall {mngr.checkpoint_cost_s * 1e3:.0f} ms"
             f" per save); kept {mngr.all_steps()}; test accuracy {acc:.1%}"
         )
     return 0

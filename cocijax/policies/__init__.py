@@ -8,8 +8,8 @@ Example:
   ...                             checkpoint_cost_s=8.0)
 """
 
-from cocijax.policies._base import Policy
-from cocijax.policies._by_name import by_name
+from cocijax.policies._base import Policy, default_prior_mtbf_s
+from cocijax.policies._by_name import by_name, names
 from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
 from cocijax.policies._coci import CociState, coci
 from cocijax.policies._paper import coci_paper
@@ -27,7 +27,9 @@ __all__ = [
     "coci_paper",
     "daly",
     "daly_interval",
+    "default_prior_mtbf_s",
     "fixed",
+    "names",
     "next_check",
     "plan",
     "update_many",

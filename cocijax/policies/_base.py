@@ -36,6 +36,8 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from cocijax._validate import NONNEGATIVE, POSITIVE, UNIT, check
+
 PolicyState = Any  # A pytree (NamedTuple) of jnp arrays.
 
 # Smoothing factors of the moving averages: step times jitter from step to step, checkpoint
@@ -99,11 +101,36 @@ class Policy(NamedTuple):
     update: UpdateFn
 
 
-def make_policy(init: InitFn, update: UpdateFn) -> Policy:
-    """A :class:`Policy` whose ``update`` is jitted once, so that eager calls cost one dispatch.
+class Seen(NamedTuple):
+    """The inputs of one ``update`` call (see :class:`UpdateFn`), as a policy's rule sees them."""
 
-    Inside another ``jit`` (``plan``'s scan) it is inlined as usual.
+    step: Any
+    loss: Any
+    step_time_s: Any
+    checkpoint_cost_s: Any
+    mtbf_s: Any
+    recovery_s: Any
+
+
+def make_policy(init: InitFn, rule: Callable[[PolicyState, Seen], tuple[Any, Any]]) -> Policy:
+    """A :class:`Policy` from ``init`` and ``rule(state, seen) -> (save, state)``.
+
+    The ``update`` it returns has the keyword signature of :class:`UpdateFn` and is jitted once,
+    so that eager calls cost one dispatch; inside another ``jit`` (``plan``'s scan) it is inlined.
     """
+
+    def update(
+        state,
+        *,
+        step,
+        loss,
+        step_time_s,
+        checkpoint_cost_s,
+        mtbf_s=math.nan,
+        recovery_s=math.nan,
+    ):
+        return rule(state, Seen(step, loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s))
+
     return Policy(init, jax.jit(update))
 
 
@@ -132,7 +159,7 @@ def _ema(old, sample, valid, alpha):
     return jnp.where(valid, new, old)
 
 
-def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s):
+def clock_tick(clock: Clock, seen: Seen):
     """Advances the clock by one step (before the save decision).
 
     Returns:
@@ -140,15 +167,16 @@ def clock_tick(clock: Clock, step, step_time_s, checkpoint_cost_s):
       before), and the seconds this step counted for (exact, unlike a difference of the
       float32 ``elapsed`` totals late in a long job).
     """
-    st = jnp.asarray(step_time_s, jnp.float32)
+    st = jnp.asarray(seen.step_time_s, jnp.float32)
     st_ok = jnp.isfinite(st) & (st > 0)
-    c = jnp.asarray(checkpoint_cost_s, jnp.float32)
+    c = jnp.asarray(seen.checkpoint_cost_s, jnp.float32)
     c_ok = jnp.isfinite(c) & (c >= 0)
     step_time = _ema(clock.step_time, st, st_ok, STEP_TIME_ALPHA)
     cost = _ema(clock.cost, c, c_ok, COST_ALPHA)
-    # The real duration of this step when it is valid, else the smoothed one (1 s if none yet).
-    dt = jnp.where(st_ok, st, jnp.where(jnp.isnan(step_time), 1.0, step_time))
-    step = jnp.asarray(step, jnp.int32)
+    # The real duration of this step when it is valid, else the smoothed one; none before any
+    # was measured (an untimed first step, e.g. a compilation, exposes no known work).
+    dt = jnp.where(st_ok, st, jnp.where(jnp.isnan(step_time), 0.0, step_time))
+    step = jnp.asarray(seen.step, jnp.int32)
     is_new = step > clock.last_step
     return (
         Clock(
@@ -242,27 +270,16 @@ def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarra
     return tau, cost
 
 
-def _check_number(name: str, value: float, expected: str, ok: Callable[[float], bool]) -> float:
-    """``float(value)`` if it is finite and ``ok``, else a ``ValueError`` naming ``name``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = math.nan
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name} must be {expected}, got {value!r}.")
-    return v
-
-
 def check_positive(name: str, value: float) -> float:
     """Returns ``float(value)`` or raises ``ValueError`` naming ``name``."""
-    return _check_number(name, value, "a positive finite number", lambda v: v > 0)
+    return check(name, value, POSITIVE)
 
 
 def check_unit(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is in [0, 1], else raises ``ValueError`` naming ``name``."""
-    return _check_number(name, value, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+    return check(name, value, UNIT)
 
 
 def check_nonnegative(name: str, value: float) -> float:
     """Returns ``float(value)`` if it is finite and >= 0, else raises ``ValueError``."""
-    return _check_number(name, value, "a non-negative finite number", lambda v: v >= 0)
+    return check(name, value, NONNEGATIVE)

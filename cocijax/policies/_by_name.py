@@ -17,6 +17,17 @@ CONSTRUCTORS = {
 }
 
 
+def names() -> tuple[str, ...]:
+    """The names :func:`by_name` knows.
+
+    Example:
+      >>> import cocijax as cj
+      >>> cj.policies.names()
+      ('fixed', 'young', 'daly', 'checkfreq', 'coci', 'coci_paper')
+    """
+    return tuple(CONSTRUCTORS)
+
+
 def by_name(name: str, **kwargs) -> Policy:
     """Builds the policy called ``name`` with keyword arguments ``kwargs``.
 

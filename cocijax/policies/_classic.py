@@ -12,7 +12,6 @@ interval, with ``prior_mtbf_s`` until there is one.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -43,6 +42,10 @@ def daly_interval(checkpoint_cost_s, mtbf_s):
     return jnp.where(c < 2.0 * m, tau, m)
 
 
+def _init() -> ClassicState:
+    return ClassicState(_base.clock_init())
+
+
 def _interval_policy(
     interval_fn, mtbf_s: float | None, prior_mtbf_s: float | None, cost_prior_s: float
 ) -> Policy:
@@ -50,29 +53,17 @@ def _interval_policy(
     given, prior = _base.check_mtbf(mtbf_s, prior_mtbf_s)
     _base.check_nonnegative("cost_prior_s", cost_prior_s)
 
-    def init():
-        return ClassicState(_base.clock_init())
-
-    def update(
-        state,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        del loss, recovery_s
-        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+    def rule(state, seen: _base.Seen):
+        clock, _, _ = _base.clock_tick(state.clock, seen)
         tau, cost = _base.smoothed(clock, cost_prior_s)
-        left = interval_fn(cost, _base.resolve(given, mtbf_s, prior)) - 0.5 * tau - clock.since_save
-        save = _base.checking(clock, step) & (left <= 0)
+        mtbf = _base.resolve(given, seen.mtbf_s, prior)
+        left = interval_fn(cost, mtbf) - 0.5 * tau - clock.since_save
+        save = _base.checking(clock, seen.step) & (left <= 0)
         after = jnp.where(save, left + clock.since_save, left)  # seconds to the next save
-        next_check = _base.halfway(step, after / tau)
-        return save, ClassicState(_base.clock_saved(clock, save, step, next_check))
+        next_check = _base.halfway(seen.step, after / tau)
+        return save, ClassicState(_base.clock_saved(clock, save, seen.step, next_check))
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(_init, rule)
 
 
 def fixed(every: int) -> Policy:
@@ -101,27 +92,14 @@ def fixed(every: int) -> Policy:
         raise ValueError(f"every must be a positive integer, got {every!r}.")
     every = int(every)
 
-    def init():
-        return ClassicState(_base.clock_init())
-
-    def update(
-        state,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        del loss, mtbf_s, recovery_s
-        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
-        step = jnp.asarray(step, jnp.int32)
+    def rule(state, seen: _base.Seen):
+        clock, _, _ = _base.clock_tick(state.clock, seen)
+        step = jnp.asarray(seen.step, jnp.int32)
         save = (step % every) == 0
         next_multiple = (step // every + 1) * every
         return save, ClassicState(_base.clock_saved(clock, save, step, next_multiple))
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(_init, rule)
 
 
 def young(
@@ -160,18 +138,7 @@ def daly(
 ) -> Policy:
     """Daly's higher-order optimal interval (see :func:`daly_interval`).
 
-    Args:
-      mtbf_s: mean time between failures, seconds; ``None`` uses the caller's measured MTBF,
-        ``prior_mtbf_s`` until then.
-      prior_mtbf_s: MTBF assumed before one is measured; default 24 h divided by
-        ``jax.device_count()``.
-      cost_prior_s: checkpoint cost assumed until the first measured one.
-
-    Returns:
-      A :class:`Policy`.
-
-    Raises:
-      ValueError: if an argument is not positive.
+    Takes the arguments of :func:`young` and raises as it does.
 
     References:
       Daly, `A higher order estimate of the optimum checkpoint interval for restart dumps
@@ -209,26 +176,13 @@ def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_
         raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead!r}.")
     _base.check_nonnegative("cost_prior_s", cost_prior_s)
 
-    def init():
-        return ClassicState(_base.clock_init())
-
-    def update(
-        state,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        del loss, mtbf_s, recovery_s
-        clock, _, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+    def rule(state, seen: _base.Seen):
+        clock, _, _ = _base.clock_tick(state.clock, seen)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         every = jnp.maximum(jnp.ceil(cost / (mo * tau) - 1e-6), 1.0)
         left = every - clock.steps_since_save.astype(jnp.float32)
-        save = _base.checking(clock, step) & (left <= 0)
-        next_check = _base.halfway(step, jnp.where(save, every, left))
-        return save, ClassicState(_base.clock_saved(clock, save, step, next_check))
+        save = _base.checking(clock, seen.step) & (left <= 0)
+        next_check = _base.halfway(seen.step, jnp.where(save, every, left))
+        return save, ClassicState(_base.clock_saved(clock, save, seen.step, next_check))
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(_init, rule)

@@ -47,6 +47,9 @@ from cocijax.policies import _base, _horizon
 from cocijax.policies._base import Policy
 
 DEFAULT_PRIOR_RECOVERY_S = 60.0
+# Re-plan when the step time, save cost, failure rate or recovery cost is off by this much (in
+# log terms, ~20%) from the plan's.
+REPLAN_DRIFT = 0.2
 
 
 class CociState(NamedTuple):
@@ -160,6 +163,7 @@ def coci(
             jnp.zeros(bins + 1, jnp.float32),
             jnp.ones(bins, jnp.float32),
             jnp.zeros(bins + 1, jnp.float32),
+            _horizon.costs(1.0, cost_prior_s, prior_rec, prior_mtbf),
         )
         return CociState(
             _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
@@ -177,50 +181,23 @@ def coci(
         )
         edges, reaches_end = _horizon.edges_for(k, n_end, per_step)
         weights = weight_at(0.5 * (edges[1:] + edges[:-1]))
-        plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges))
-        return _horizon.values(plan, costs, end_without_save=known_end & reaches_end)
+        plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges), costs)
+        return _horizon.values(plan, end_without_save=known_end & reaches_end)
 
-    def update(
-        state: CociState,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        clock, is_new, dt = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+    def rule(state: CociState, seen: _base.Seen):
+        clock, is_new, dt = _base.clock_tick(state.clock, seen)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         k = clock.last_step.astype(jnp.float32)
-        mtbf = _base.resolve(given_mtbf, mtbf_s, prior_mtbf)
-        rec_s = _base.resolve(given_rec, recovery_s, prior_rec, zero_ok=True)
+        mtbf = _base.resolve(given_mtbf, seen.mtbf_s, prior_mtbf)
+        rec_s = _base.resolve(given_rec, seen.recovery_s, prior_rec, zero_ok=True)
         # Without total_steps the plan is open-ended (edges_for stops at its own horizon).
         n_total = jnp.float32(total_steps) if known_end else jnp.float32(2.0**30)
         n_guess = n_total if known_end else jnp.maximum(math.sqrt(h_lo * h_hi) * k, k + 1.0)
         span = jnp.maximum(3.0, n_guess / 200.0)
         alpha = 2.0 / (span + 1.0)
 
-        # Online estimates of the progress rate (module docstring).
-        loss = jnp.asarray(loss, jnp.float32)
-        valid = jnp.isfinite(loss) & is_new
-        y = jnp.where(valid, loss, 0.0)
-        count = state.count + valid.astype(jnp.int32)
-        n = count.astype(jnp.float32)
-        gain = jnp.maximum(alpha, 1.0 / jnp.maximum(n, 1.0))  # warm up as a plain mean
-        level = jnp.where(
-            valid, jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
-            state.level,
-        )  # fmt: skip
-        envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
-        start = jnp.where(
-            valid & (n <= span + 1.0),
-            jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / n),
-            state.start,
-        )
-        drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
-        rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
-        warm = 1.0 - jnp.power(1.0 - alpha, n)
+        count, level, envelope, start, rate = _track(state, seen.loss, is_new, alpha, span)
+        warm = 1.0 - jnp.power(1.0 - alpha, count.astype(jnp.float32))
         rate_hat = rate / jnp.maximum(warm, 1e-6)  # loss drop per step
 
         def weight_if_ends_at(n_end):
@@ -233,31 +210,23 @@ def coci(
         if known_end:
             w = weight_if_ends_at(n_total)
         else:
-            # The job may end anywhere in [lo, hi] x the steps so far. Minimax regret in log
-            # density: the geometric middle of the two weights, and never on the other side
-            # of 1 (Young) from either of them, so that no end in the range makes it worse
-            # than Young's rule at this step.
             w_lo = weight_if_ends_at(jnp.maximum(h_lo * k, k + 1.0))
             w_hi = weight_if_ends_at(jnp.maximum(h_hi * k, k + 1.0))
-            mid = jnp.sqrt(w_lo * w_hi)
-            w = jnp.where(
-                w_lo >= 1.0,
-                jnp.minimum(mid, w_lo * w_lo),
-                jnp.where(w_hi <= 1.0, jnp.maximum(mid, w_hi * w_hi), 1.0),
-            )
-            w = jnp.clip(w, tw, wmax)
+            w = jnp.clip(_between(w_lo, w_hi), tw, wmax)
         exposure = state.exposure + w * dt
 
         costs = _horizon.costs(tau, cost, rec_s, mtbf)
         interval = 1.0 / (jnp.sqrt(costs.lam * w / (2.0 * cost)) * tau)  # steps, first order
         stale = state.plan_step == 0
         stale = stale | (k >= state.plan_step + jnp.maximum(rf * interval, 1.0))
+        # A plan decides in its own cost model: redo it when the measurements moved away.
+        moved = jnp.stack([a / b for a, b in zip(costs, state.plan.costs, strict=True)])
+        stale = stale | jnp.any(jnp.abs(jnp.log(jnp.maximum(moved, 1e-30))) > REPLAN_DRIFT)
 
         def replan(_):
             plan = make_plan(w, k, n_total, costs)
             rollback = _horizon.value_before(
                 plan,
-                costs,
                 behind=(k - state.last_save.astype(jnp.float32)) * tau,
                 exposure=exposure,
                 end_without_save=known_end & (plan.edges[-1] >= n_total),
@@ -270,7 +239,6 @@ def coci(
             )
             save, next_edge = _horizon.decide(
                 plan,
-                costs,
                 step=k,
                 exposure=exposure,
                 rollback_value=rollback,
@@ -278,7 +246,7 @@ def coci(
             )
             save = save & (k < n_total)  # a save after the last step protects nothing
             replan_at = plan_step.astype(jnp.float32) + jnp.maximum(rf * interval, 1.0)
-            next_check = _base.halfway(step, jnp.minimum(next_edge, replan_at) - k)
+            next_check = _base.halfway(seen.step, jnp.minimum(next_edge, replan_at) - k)
             # A new segment starts here: plan it from here now, so its value is exact.
             plan, plan_step, rollback = jax.lax.cond(
                 save,
@@ -297,10 +265,10 @@ def coci(
             )  # fmt: skip
 
         save, plan, plan_step, rollback, next_check = jax.lax.cond(
-            _base.checking(clock, step), check, skip, None
+            _base.checking(clock, seen.step), check, skip, None
         )
         return save, CociState(
-            clock=_base.clock_saved(clock, save, step, next_check),
+            clock=_base.clock_saved(clock, save, seen.step, next_check),
             count=count,
             level=level,
             envelope=envelope,
@@ -314,4 +282,46 @@ def coci(
             rollback=rollback,
         )
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(init, rule)
+
+
+def _track(state: CociState, loss, is_new, alpha, span):
+    """Online estimates of the progress rate (module docstring), fed one loss.
+
+    Returns:
+      ``(count, level, envelope, start, rate)``, the new values of those state fields.
+    """
+    loss = jnp.asarray(loss, jnp.float32)
+    valid = jnp.isfinite(loss) & is_new
+    y = jnp.where(valid, loss, 0.0)
+    count = state.count + valid.astype(jnp.int32)
+    n = count.astype(jnp.float32)
+    gain = jnp.maximum(alpha, 1.0 / jnp.maximum(n, 1.0))  # warm up as a plain mean
+    level = jnp.where(
+        valid, jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
+        state.level,
+    )  # fmt: skip
+    envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
+    start = jnp.where(
+        valid & (n <= span + 1.0),
+        jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / n),
+        state.start,
+    )
+    drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
+    rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
+    return count, level, envelope, start, rate
+
+
+def _between(w_lo, w_hi):
+    """The weight when the job may end anywhere between the ends that give ``w_lo``, ``w_hi``.
+
+    Minimax regret in log density: the geometric middle of the two, and never on the other side
+    of 1 (Young) from either of them, so that no end in the range makes the step's decision
+    worse than Young's rule.
+    """
+    mid = jnp.sqrt(w_lo * w_hi)
+    return jnp.where(
+        w_lo >= 1.0,
+        jnp.minimum(mid, w_lo * w_lo),
+        jnp.where(w_hi <= 1.0, jnp.maximum(mid, w_hi * w_hi), 1.0),
+    )

@@ -40,14 +40,6 @@ HORIZON_SAVES = 48.0
 _MAX_EXPONENT = 80.0
 
 
-class Plan(NamedTuple):
-    """A forecast on bins and the values of saving at each edge."""
-
-    edges: jnp.ndarray  # shape=(NUM_BINS + 1,), float32, step positions, edges[0] = planning step
-    weights: jnp.ndarray  # shape=(NUM_BINS,), float32, forecast weight of each bin
-    values: jnp.ndarray  # shape=(NUM_BINS + 1,), float32, cost to go from a save at each edge
-
-
 class Costs(NamedTuple):
     """The failure and cost model a plan is made with (all in seconds)."""
 
@@ -55,6 +47,20 @@ class Costs(NamedTuple):
     cost: jnp.ndarray  # shape=(), float32, stall of one save
     rec: jnp.ndarray  # shape=(), float32, expected recovery per failure, restarts included
     lam: jnp.ndarray  # shape=(), float32, failure rate
+
+
+class Plan(NamedTuple):
+    """A forecast on bins, the cost model it was made with, and the values of saving at edges.
+
+    Decisions use the plan's own cost model, not the latest measurements: the values were
+    computed with it (a step time 20% off would make "save now" and "save later" compare costs
+    in different units: measured on a live job, that alone made a policy save at every step).
+    """
+
+    edges: jnp.ndarray  # shape=(NUM_BINS + 1,), float32, step positions, edges[0] = planning step
+    weights: jnp.ndarray  # shape=(NUM_BINS,), float32, forecast weight of each bin
+    values: jnp.ndarray  # shape=(NUM_BINS + 1,), float32, cost to go from a save at each edge
+    costs: Costs  # the cost model the values were computed with
 
 
 def costs(step_time, cost, recovery_s, mtbf_s) -> Costs:
@@ -101,12 +107,13 @@ def _integrals_from(plan: Plan, k: Costs, t, width, start):
     return jnp.concatenate([jnp.zeros(1), jnp.cumsum(part)])
 
 
-def values(plan: Plan, k: Costs, *, end_without_save: bool | jnp.ndarray) -> Plan:
+def values(plan: Plan, *, end_without_save: bool | jnp.ndarray) -> Plan:
     """Fills ``plan.values`` by the backward DP over its edges.
 
     ``values[i]`` is the least expected cost from a save at ``edges[i]`` to the last edge; the
     last segment ends with no save when ``end_without_save`` (the job ends there), else with one.
     """
+    k = plan.costs
     t, width, weighted = _seconds(plan, k)
     n = plan.edges.shape[0]
     idx = jnp.arange(n)
@@ -124,7 +131,7 @@ def values(plan: Plan, k: Costs, *, end_without_save: bool | jnp.ndarray) -> Pla
 
 
 def value_before(
-    plan: Plan, k: Costs, *, behind, exposure, end_without_save: bool | jnp.ndarray
+    plan: Plan, *, behind, exposure, end_without_save: bool | jnp.ndarray
 ) -> jnp.ndarray:
     """The cost to go from a save made ``behind`` seconds before the plan starts.
 
@@ -133,6 +140,7 @@ def value_before(
     the plan's edges (or at the end of the job without a save), each segment costed in full
     from the save, as :func:`values` costs them.
     """
+    k = plan.costs
     t, width, weighted = _seconds(plan, k)
     behind = jnp.asarray(behind, jnp.float32)
     rate = exposure / jnp.maximum(behind, 1e-9)
@@ -152,7 +160,6 @@ def value_at(plan: Plan, position) -> jnp.ndarray:
 
 def decide(
     plan: Plan,
-    k: Costs,
     *,
     step,
     exposure,
@@ -162,8 +169,7 @@ def decide(
     """Whether to save now, at step ``step``, and the edge the best alternative saves at.
 
     Args:
-      plan: a plan made at or before ``step``.
-      k: the cost model.
+      plan: a plan made at or before ``step`` (its cost model is used).
       step: the current step (a position inside the plan).
       exposure: weighted seconds of work since the last save (lost on a failure now).
       rollback_value: cost to go from the last save (where a failure rolls back to).
@@ -173,6 +179,7 @@ def decide(
       ``(save_now, next_edge)``: ``next_edge`` is the step of the best later save (or the last
       edge), meaningful when ``save_now`` is false.
     """
+    k = plan.costs
     t, width, weighted = _seconds(plan, k)
     now = (jnp.asarray(step, jnp.float32) - plan.edges[0]) * k.step_time
     integral = _integrals_from(plan, k, t, width, now)

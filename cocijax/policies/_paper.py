@@ -32,7 +32,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -148,23 +147,13 @@ def coci_paper(
         ok = (theta1 < 0) & (pc > 0) & jnp.isfinite(pc) & jnp.isfinite(now)
         return ok, now - pc, pc
 
-    def update(
-        state: PaperState,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        # The artifact takes its failure rate as given: the caller's estimates are not used.
-        del mtbf_s, recovery_s
-        clock, is_new, _ = _base.clock_tick(state.clock, step, step_time_s, checkpoint_cost_s)
+    def rule(state: PaperState, seen: _base.Seen):
+        # The artifact takes its failure rate as given: seen.mtbf_s and recovery_s are not used.
+        clock, is_new, _ = _base.clock_tick(state.clock, seen)
         tau, cost = _base.smoothed(clock, cost_prior_s)
         t_now = clock.elapsed / unit
         ts = cost / unit
-        loss = jnp.asarray(loss, jnp.float32)
+        loss = jnp.asarray(seen.loss, jnp.float32)
         valid = jnp.isfinite(loss) & is_new
         count = state.count + is_new.astype(jnp.int32)
         history = _convergence.history_add(state.history, t_now, jnp.where(valid, loss, 0.0), valid)
@@ -197,7 +186,7 @@ def coci_paper(
         next_level = jnp.where(save_plan, next_level - pc, next_level)
         return save, PaperState(
             # The fitted loss can cross the next level at any step: check every step.
-            _base.clock_saved(clock, save, step, jnp.asarray(step, jnp.int32) + 1),
+            _base.clock_saved(clock, save, seen.step, jnp.asarray(seen.step, jnp.int32) + 1),
             history,
             theta1,
             theta2,
@@ -207,4 +196,4 @@ def coci_paper(
             count,
         )
 
-    return _base.make_policy(init, update)
+    return _base.make_policy(init, rule)

@@ -79,6 +79,10 @@ class Runner:
         """The first step at which :meth:`update` may return True."""
         return self._next_check
 
+    def compile_count(self) -> int:
+        """How many times the batched update has been compiled (1 after :meth:`compile`)."""
+        return self._update_many._cache_size()
+
     def compile(self) -> None:
         """Compiles the batched update now, so that no training step pays for it."""
         jax.block_until_ready(self._update_many(self._state, _batch([], 0)))

@@ -2,12 +2,15 @@
 
 :class:`StripedCheckpointHandler` writes a pytree as standard zarr v3 arrays striped over several
 storage roots, in Orbax commit futures; the JSON manifest in the item directory describes it.
-The other names here let a manager, a CLI or a test inspect, verify and garbage-collect what it
-wrote.
+This package owns everything about those files; the names below are all that code outside it
+uses: the handler and its args, reading and verifying what it wrote (:func:`read_manifest`,
+:func:`verify`), and what a manager needs to refuse a tree before saving it
+(:func:`check_tree`), to collect the stripes no step references
+(:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`)
+and to make a rename durable (:func:`fsync_dir`).
 """
 
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
-from cocijax.storage._io import checksum, verify
 from cocijax.storage._manifest import (
     MANIFEST_NAME,
     STRIPE_PREFIX,
@@ -17,10 +20,14 @@ from cocijax.storage._manifest import (
     Manifest,
     PieceRecord,
     Problem,
+    check_tree,
     find_stripe_dirs,
+    fsync_dir,
     read_manifest,
     referenced_stripe_dirs,
+    unreferenced_stripe_dirs,
 )
+from cocijax.storage._read import verify
 from cocijax.storage._tree import UnsupportedLeafError
 
 __all__ = [
@@ -36,9 +43,11 @@ __all__ = [
     "StripedRestore",
     "StripedSave",
     "UnsupportedLeafError",
-    "checksum",
+    "check_tree",
     "find_stripe_dirs",
+    "fsync_dir",
     "read_manifest",
     "referenced_stripe_dirs",
+    "unreferenced_stripe_dirs",
     "verify",
 ]

@@ -7,7 +7,7 @@ files took 0.6 s this way, and 1.8 s through TensorStore's buffered writes.
 
 TensorStore still creates every piece's ``zarr.json`` and reads compressed pieces and parts of
 pieces; this module only moves the chunk files of pieces stored with the plain ``bytes`` codec,
-whose encoding is the array's little-endian C-order bytes (see ``_io.write_spec``, which pins
+whose encoding is the array's little-endian C-order bytes (see ``_write.write_spec``, which pins
 codec and chunk keys). Whole pieces are read back the same way, straight into the destination
 buffer: TensorStore's read path adds a buffer and a copy per chunk, and restoring 1 GiB took
 several times as long as one sequential read of the same bytes (measured, write_bench).
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 # Alignment of addresses, offsets and lengths for O_DIRECT (covers 512-byte and 4 KiB logical
-# blocks); _io.chunk_shape also starts chunks on it when their rows allow.
+# blocks); _write.chunk_shape also starts chunks on it when their rows allow.
 BLOCK = 4096
 # Linux writes at most about 2 GiB per write(2) call.
 _MAX_WRITE = 1 << 30
@@ -64,7 +64,7 @@ def chunk_jobs(
     """One job per chunk file of the zarr array at ``array_dir``: writes and fsyncs it.
 
     Chunks cut axis 0 into ``chunk_rows`` rows (whole trailing dimensions, as
-    ``_io.chunk_shape`` plans them); the last chunk is zero-extended (zero is the fill value) to
+    ``_write.chunk_shape`` plans them); the last chunk is zero-extended (zero is the fill value) to
     the full chunk shape, as zarr stores edge chunks. Chunk keys follow zarr v3's default
     encoding with ``/``: ``c/<i>/0/...``.
     """
@@ -130,7 +130,7 @@ def raw_chunk_rows(metadata: dict[str, Any]) -> int | None:
 
     ``metadata`` is the array's stored metadata (``TensorStore.spec().to_json()["metadata"]``):
     the plain little-endian ``bytes`` codec, default ``/`` chunk keys and chunks of whole
-    trailing dimensions, as ``_io.write_spec`` makes uncompressed pieces.
+    trailing dimensions, as ``_write.write_spec`` makes uncompressed pieces.
     """
     codecs = metadata.get("codecs", [])
     encoding = metadata.get("chunk_key_encoding", {})

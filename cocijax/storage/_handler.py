@@ -20,55 +20,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import json
-import math
 import os
 import pathlib
 import tempfile
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.futures import future
-from orbax.checkpoint._src.handlers import async_checkpoint_handler
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+
+# Orbax 0.12 has no public name for the tree metadata a handler's `metadata()` must return
+# (what `CheckpointManager.item_metadata` expects): the one private import left here.
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
-from cocijax.storage import _direct, _io, _layout, _manifest, _restore, _tree
-from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
+from cocijax.storage import _direct, _io, _layout, _manifest, _restore, _snapshot, _write
+from cocijax.storage._manifest import Manifest, PieceRecord
 
 _MiB = 1 << 20
 
 
-@dataclasses.dataclass
-class _Snapshot:
-    """Host copy of this process's share of a tree, plus the plan to write it."""
-
-    leaves: list[LeafRecord]
-    pieces: list[_layout.Piece]
-    buffers: list[np.ndarray | None]  # per chunk source: the host copy of an unpacked chunk
-    packs: dict[str, np.ndarray]  # per packed piece name: its flat host buffer
-    stripe: str  # name of this save's stripe directory on every root
-    # Per piece name: chunk-file writes started while the rest of the tree was being copied.
-    early: dict[str, list[concurrent.futures.Future]]
-    custom_metadata: Any = None  # StripedSave.custom_metadata, kept in the manifest
-
-    def data(self, piece: _layout.Piece) -> np.ndarray:
-        if piece.packed:
-            return self.packs[piece.name]
-        chunk, start, stop, _ = piece.members[0]
-        return self.buffers[chunk.source][_layout.local_slices(start, stop, chunk.start)]
-
-
-class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves a pytree of arrays as zarr v3 pieces striped over several storage roots.
 
     Use with ``ocp.Checkpointer``, ``ocp.AsyncCheckpointer`` or ``ocp.CheckpointManager`` (via a
@@ -78,8 +55,10 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     roots recorded in its manifest).
 
     Example:
-      >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])  # doctest: +SKIP
-      >>> with ocp.AsyncCheckpointer(handler) as ckptr:  # doctest: +SKIP
+      >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+      >>> tmp = pathlib.Path(tempfile.mkdtemp())
+      >>> handler = StripedCheckpointHandler(roots=[tmp / "r0", tmp / "r1"])
+      >>> with ocp.AsyncCheckpointer(handler) as ckptr:
       ...     ckptr.save(tmp / "ckpt", args=StripedSave({"w": jnp.ones(4)}))
       ...     ckptr.wait_until_finished()
       ...     ckptr.restore(tmp / "ckpt", args=StripedRestore())
@@ -200,7 +179,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
     async def async_save(
         self, directory: epath.Path, args: StripedSave | None = None, *, item: Any = None
-    ) -> list[future.Future] | None:
+    ) -> list[ocp.future.Future] | None:
         """Snapshots the item to host memory and returns the commit future that writes it.
 
         Args:
@@ -222,7 +201,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         snapshot = self._snapshot(args.item)
         snapshot.custom_metadata = args.custom_metadata
         return [
-            future.CommitFutureAwaitingContractedSignals(
+            ocp.future.CommitFutureAwaitingContractedSignals(
                 self._commit(pathlib.Path(directory), snapshot), name="cocijax_striped_save"
             )
         ]
@@ -236,106 +215,20 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             for f in await self.async_save(directory, args, item=item) or []:
                 f.result()
 
-        asyncio_utils.run_sync(run())
+        _io.run_sync(run())
 
-    def _snapshot(self, item: Any) -> _Snapshot:
-        flat, _ = _tree.flatten(item)
-        write_numpy = jax.process_index() == (self._primary_host or 0)
-        leaves: list[LeafRecord] = []
-        chunks: list[_layout.Chunk] = []
-        sources: list[Any] = []
-        for index, (path, leaf) in enumerate(flat):
-            kind = _tree.leaf_kind(path, leaf)
-            keys = _tree.encode_keys(path)
-            name = jax.tree_util.keystr(path)
-            if kind in _tree.INLINE_KINDS:
-                value = _tree.empty_tag(leaf) if kind == _tree.EMPTY_KIND else leaf
-                leaves.append(LeafRecord(name, keys, kind, None, (), value=value))
-                continue
-            sharding = key_impl = None
-            if kind in ("jax", _tree.KEY_KIND):
-                sharding = _sharding_json(leaf.sharding)
-            if kind == _tree.KEY_KIND:
-                # The key data (uint32, the keys' shape + the impl's key shape) is what is
-                # stored, sharded as the keys are; the implementation rebuilds the keys.
-                key_impl = str(jax.random.key_impl(leaf))
-                leaf = jax.random.key_data(leaf)
-            dtype = np.dtype(leaf.dtype)
-            shape = tuple(int(d) for d in leaf.shape)
-            leaves.append(
-                LeafRecord(
-                    name, keys, kind, dtype.name, shape, sharding=sharding, key_impl=key_impl
-                )
-            )
-            if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) == 1:
-                # Single-device array (the common case): skip building shard objects.
-                if leaf.is_fully_addressable:
-                    chunks.append(
-                        _layout.Chunk(index, (0,) * len(shape), shape, dtype, len(sources))
-                    )
-                    sources.append(leaf)
-            elif isinstance(leaf, jax.Array):
-                for shard in leaf.addressable_shards:
-                    if shard.replica_id != 0:
-                        continue
-                    start, stop = _layout.box(shard.index, shape)
-                    chunks.append(_layout.Chunk(index, start, stop, dtype, len(sources)))
-                    sources.append(shard.data)
-            elif write_numpy:
-                chunks.append(_layout.Chunk(index, (0,) * len(shape), shape, dtype, len(sources)))
-                sources.append(leaf)
-        pieces = _layout.plan(
-            chunks,
-            len(self._roots),
+    def _snapshot(self, item: Any) -> _snapshot.Snapshot:
+        self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
+        return _snapshot.take(
+            item,
+            self._roots,
             piece_bytes=self._piece_bytes,
             small_bytes=self._small_bytes,
+            chunk_bytes=self._chunk_bytes,
+            write_numpy=jax.process_index() == (self._primary_host or 0),
+            pool=self._pool,
+            start_raw=self._start_raw,
         )
-        for s in sources:
-            if isinstance(s, jax.Array):
-                s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
-        stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
-        snapshot = _Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {})
-        # Stripe directories on external roots can be made now, so a piece's chunk files can be
-        # written as soon as its host copy is done (the item directory may not exist yet). Only
-        # pieces of at least one full chunk start early: with few cores, the per-file work of
-        # small pieces slowed the copy that blocks the caller more than it saved (measured).
-        early_roots = {p.root for p in pieces if self._roots[p.root] is not None}
-        for r in early_roots:
-            (self._roots[r] / stripe).mkdir()
-        # (copy function, pieces it completes) per host copy job.
-        jobs: list[tuple[Callable[[], None], list[_layout.Piece]]] = []
-        by_source: dict[int, list[_layout.Piece]] = {}
-        for piece in pieces:
-            if piece.packed:
-                # Small regions are copied straight into their pack (still one copy each), in
-                # one job per pack: one numpy call instead of a thread hop per leaf.
-                buf = _io.aligned_empty(piece.shape, piece.dtype, _direct.BLOCK)
-                snapshot.packs[piece.name] = buf
-                members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
-                jobs.append((functools.partial(_pack_into, members, buf), [piece]))
-                continue
-            src = piece.members[0][0].source
-            if src not in by_source:
-                by_source[src] = []
-                jobs.append(
-                    (functools.partial(_copy_source, snapshot, sources, src), by_source[src])
-                )
-            by_source[src].append(piece)
-
-        def copy_then_write(job: tuple[Callable[[], None], list[_layout.Piece]]) -> None:
-            copy, copied = job
-            copy()
-            for piece in copied:
-                if piece.root in early_roots and piece.nbytes >= self._chunk_bytes:
-                    stripe_dir = self._roots[piece.root] / stripe
-                    started = self._start_raw(stripe_dir, piece, snapshot.data(piece))
-                    if started is not None:
-                        snapshot.early[piece.name] = started
-
-        self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
-        # Copy in parallel: numpy's copy releases the GIL, so threads share the memory bandwidth.
-        list(self._pool.map(copy_then_write, jobs))
-        return snapshot
 
     def _start_raw(
         self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
@@ -345,13 +238,13 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             return None
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
-        rows = _io.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
+        rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
         jobs = _direct.chunk_jobs(
             stripe_dir / piece.name, data, rows, direct=self._direct_ok[piece.root]
         )
         return [self._io_pool.submit(job) for job in jobs]
 
-    async def _commit(self, directory: pathlib.Path, snapshot: _Snapshot) -> None:
+    async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
         loop = asyncio.get_running_loop()
         stripe = snapshot.stripe
         used = sorted({p.root for p in snapshot.pieces})
@@ -362,7 +255,7 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         writes = []
         for piece in snapshot.pieces:
             data = snapshot.data(piece)
-            spec = _io.write_spec(
+            spec = _write.write_spec(
                 stripe_dirs[piece.root] / piece.name,
                 piece.dtype,
                 piece.shape,
@@ -374,16 +267,16 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             if started is None:
                 started = self._start_raw(stripe_dirs[piece.root], piece, data)
             if started is None:
-                writes.append(_io.write_piece(spec, data, self._context))
+                writes.append(_write.write_piece(spec, data, self._context))
             else:
                 writes.append(self._finish_raw(spec, started))
             if self._checksums:
-                for member in _member_views(snapshot, piece):
+                for member in snapshot.member_views(piece):
                     sums.append(loop.run_in_executor(self._pool, _io.checksum, member))
         await _io.gather_all(writes)
         checks = iter(await _io.gather_all(sums))
         await asyncio.gather(
-            *[loop.run_in_executor(self._pool, _io.fsync_tree, d) for d in stripe_dirs.values()]
+            *[loop.run_in_executor(self._pool, _write.fsync_tree, d) for d in stripe_dirs.values()]
         )
         records = []
         for piece in snapshot.pieces:
@@ -492,21 +385,26 @@ class StripedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self._executor = self._io_executor = None
 
 
+def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:
+    """``expected`` args from either calling style: ``args=Expected(x)`` or the old ``item=x``."""
+    name = expected.__name__
+    if isinstance(args, expected) and item is None:
+        return args
+    if isinstance(args, checkpoint_args.CheckpointArgs):
+        raise ValueError(
+            f"StripedCheckpointHandler {verb}s with cocijax.{name} args, got "
+            f"{type(args).__name__}; write args=cocijax.{name}({what})."
+        )
+    if args is not None and item is not None:
+        raise ValueError(f"{verb}: pass the {what} once, as args={name}({what}) or as item=.")
+    return expected(item if args is None else args)
+
+
 def _save_args(args: Any, item: Any) -> StripedSave:
     """:class:`StripedSave` from either calling style."""
-    if isinstance(args, StripedSave) and item is None:
-        save = args
-    elif isinstance(args, checkpoint_args.CheckpointArgs):
-        raise ValueError(
-            f"StripedCheckpointHandler saves with cocijax.StripedSave args, got "
-            f"{type(args).__name__}; write args=cocijax.StripedSave(tree)."
-        )
-    elif args is not None and item is not None:
-        raise ValueError("save: pass the tree once, as args=StripedSave(tree) or as item=.")
-    elif args is None and item is None:
+    if args is None and item is None:
         raise ValueError("save: nothing to save; pass args=cocijax.StripedSave(tree).")
-    else:
-        save = StripedSave(item if args is None else args)
+    save = _either_style(args, item, StripedSave, "save", "tree")
     try:
         json.dumps(save.custom_metadata)
     except (TypeError, ValueError) as e:
@@ -516,23 +414,7 @@ def _save_args(args: Any, item: Any) -> StripedSave:
 
 def _restore_args(args: Any, item: Any) -> StripedRestore:
     """:class:`StripedRestore` from either calling style."""
-    if isinstance(args, StripedRestore) and item is None:
-        return args
-    if isinstance(args, checkpoint_args.CheckpointArgs):
-        raise ValueError(
-            f"StripedCheckpointHandler restores with cocijax.StripedRestore args, got "
-            f"{type(args).__name__}; write args=cocijax.StripedRestore(target)."
-        )
-    if args is not None and item is not None:
-        raise ValueError("restore: pass the target once, as args=StripedRestore(target) or item=.")
-    return StripedRestore(item if args is None else args)
-
-
-def _sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any] | None:
-    """``sharding`` as Orbax's sharding metadata JSON; None for types Orbax cannot describe."""
-    if not isinstance(sharding, jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding):
-        return None
-    return json.loads(sharding_metadata.from_jax_sharding(sharding).to_serialized_string())
+    return _either_style(args, item, StripedRestore, "restore", "target")
 
 
 def _check_writable(path: pathlib.Path, name: str) -> None:
@@ -542,36 +424,6 @@ def _check_writable(path: pathlib.Path, name: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
-
-
-def _host_copy(source: Any) -> np.ndarray:
-    """Exactly one copy of ``source`` in host memory that nothing else references.
-
-    On CPU it is page-aligned, so that direct writes can use it as it is.
-    """
-    if isinstance(source, jax.Array) and next(iter(source.devices())).platform != "cpu":
-        return np.asarray(source)  # The device-to-host transfer made a fresh buffer.
-    # On CPU np.asarray aliases the device buffer, which the next step may donate: copy now.
-    view = np.asarray(source)
-    out = _io.aligned_empty(view.shape, view.dtype, _direct.BLOCK)
-    np.copyto(out, view)
-    return out
-
-
-def _copy_source(snapshot: _Snapshot, sources: list[Any], index: int) -> None:
-    snapshot.buffers[index] = _host_copy(sources[index])
-
-
-def _pack_into(sources: list[Any], dest: np.ndarray) -> None:
-    """Copies ``sources`` back to back into the flat ``dest`` (one copy, even on CPU)."""
-    np.concatenate([np.asarray(s).reshape(-1) for s in sources], out=dest)
-
-
-def _member_views(snapshot: _Snapshot, piece: _layout.Piece) -> list[np.ndarray]:
-    if not piece.packed:
-        return [snapshot.data(piece)]
-    buf = snapshot.packs[piece.name]
-    return [buf[offset : offset + math.prod(chunk.shape)] for chunk, _, _, offset in piece.members]
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cocijax.storage import _tree
+
+log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "cocijax_manifest.json"
 """File name of the manifest inside an Orbax item directory."""
@@ -31,6 +35,8 @@ STRIPE_PREFIX = "cocijax-stripe-"
 
 FORMAT = "cocijax-striped-checkpoint"
 VERSION = 1
+# TensorStore ends its errors with the JSON spec of the array it opened: hundreds of characters.
+_TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]")
 
 
 class CheckpointFormatError(ValueError):
@@ -55,6 +61,20 @@ class Problem:
     leaf_path: str
     file: str
     message: str
+
+    @property
+    def what(self) -> str:
+        """What is wrong, in one short line: :attr:`message` without what the other fields say.
+
+        The leaf and the file are dropped from the message (they are :attr:`leaf_path` and
+        :attr:`file`), and so is the JSON spec TensorStore appends to its errors.
+        """
+        text = _TS_SPEC.sub("", self.message)
+        if self.leaf_path:
+            text = text.removeprefix(f"Leaf {self.leaf_path}: ")
+        if self.file:
+            text = text.removesuffix(f" in piece {self.file}.").replace(f"{self.file}/", "")
+        return " ".join(text.split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,8 +333,12 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
       CheckpointFormatError: the manifest is missing, not valid JSON, or not a cocijax manifest.
 
     Example:
-      >>> m = read_manifest(path)  # doctest: +SKIP
-      >>> [leaf.path for leaf in m.leaves]  # doctest: +SKIP
+      >>> import tempfile, numpy as np, orbax.checkpoint as ocp, cocijax as cj
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "item"
+      >>> with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+      ...     ckptr.save(path, args=cj.StripedSave({"w": np.zeros(3), "step": 7}))
+      >>> [(leaf.path, leaf.kind, leaf.shape) for leaf in read_manifest(path).leaves]
+      [("['step']", 'int', ()), ("['w']", 'numpy', (3,))]
     """
     return _read_json(pathlib.Path(item_dir) / MANIFEST_NAME)
 
@@ -396,7 +420,10 @@ def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:
     Raises:
       CheckpointFormatError: the item has no readable manifest.
     """
-    manifest = read_manifest(item_dir)
+    return _stripe_dirs(read_manifest(item_dir))
+
+
+def _stripe_dirs(manifest: Manifest) -> set[pathlib.Path]:
     dirs = set()
     for p in manifest.pieces:
         root = manifest.roots[p.root]
@@ -411,3 +438,100 @@ def find_stripe_dirs(root: os.PathLike | str) -> list[pathlib.Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STRIPE_PREFIX))
+
+
+def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | None:
+    """The stripe directories on external roots that an item references, for garbage collection.
+
+    The rule for items that cannot be read:
+
+    * no manifest, or one that is not JSON (a save that never committed, a torn write): the
+      item references nothing, so its stripes are garbage;
+    * a manifest that is JSON but cannot be interpreted (say, a newer format), or that cannot
+      be read (an I/O error): ``None``, "unknown"; a collector must then remove nothing, since
+      any stripe might be that item's data.
+
+    A committed manifest never changes, so answers are cached per manifest version (path,
+    modification time and size).
+
+    Args:
+      item_dir: an Orbax item directory the striped handler saved into (or began to).
+
+    Returns:
+      Resolved stripe directories, empty for an uncommitted item, or None when unknown.
+    """
+    manifest = pathlib.Path(item_dir) / MANIFEST_NAME
+    try:
+        st = manifest.stat()
+        key = (str(manifest), st.st_mtime_ns, st.st_size)
+        if key in _STRIPES_IN_USE:
+            return _STRIPES_IN_USE[key]
+        data = json.loads(manifest.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return frozenset()  # never committed, or torn: its stripes are garbage
+    except OSError as e:
+        log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
+        return None  # an I/O error may pass: not remembered
+    try:
+        parsed = Manifest.from_json(data, source=str(manifest))
+        refs: frozenset[pathlib.Path] | None = frozenset(d.resolve() for d in _stripe_dirs(parsed))
+    except (ValueError, IndexError, TypeError) as e:
+        log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
+        refs = None
+    if len(_STRIPES_IN_USE) >= 4096:
+        _STRIPES_IN_USE.clear()
+    _STRIPES_IN_USE[key] = refs
+    return refs
+
+
+# Answers of stripes_in_use per manifest version (path, mtime, size): a manifest is written once
+# (atomically renamed into place), so its answer never changes.
+_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path] | None] = {}
+
+
+def unreferenced_stripe_dirs(
+    roots: Iterable[os.PathLike | str], item_dirs: Iterable[os.PathLike | str]
+) -> list[pathlib.Path] | None:
+    """Stripe directories on ``roots`` that none of ``item_dirs`` references: garbage.
+
+    Args:
+      roots: the directories saves striped into (a handler's ``roots``).
+      item_dirs: every item that may reference stripes on them, committed or not.
+
+    Returns:
+      The unreferenced stripe directories, sorted; ``None`` when an item's references cannot
+      be known (see :func:`stripes_in_use`), in which case nothing may be removed.
+
+    Example:
+      >>> import tempfile
+      >>> root = pathlib.Path(tempfile.mkdtemp())
+      >>> (root / (STRIPE_PREFIX + "left-by-a-crash")).mkdir()
+      >>> [p.name for p in unreferenced_stripe_dirs([root], [])]
+      ['cocijax-stripe-left-by-a-crash']
+    """
+    referenced: set[pathlib.Path] = set()
+    for item_dir in item_dirs:
+        refs = stripes_in_use(item_dir)
+        if refs is None:
+            return None
+        referenced |= refs
+    return [d for root in roots for d in find_stripe_dirs(root) if d.resolve() not in referenced]
+
+
+def check_tree(tree: Any) -> None:
+    """Checks that the handler can save every leaf of ``tree``, without touching the data.
+
+    For callers that must refuse a tree before starting background work (a manager, before
+    Orbax starts its threads).
+
+    Raises:
+      TypeError: a leaf's type or dtype cannot be saved; the message names the leaf's path.
+
+    Example:
+      >>> check_tree({"w": [1.0, 2.0], "bad": {"leaf": object()}})
+      Traceback (most recent call last):
+      ...
+      UnsupportedLeafError: Leaf ['bad']['leaf']: unsupported type object; ...
+    """
+    for path, leaf in _tree.flatten(tree)[0]:
+        _tree.leaf_kind(path, leaf)

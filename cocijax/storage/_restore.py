@@ -19,14 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint import metadata as ocp_metadata
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-from orbax.checkpoint._src.serialization import type_handlers
 
-from cocijax.storage import _io, _layout, _manifest, _tree
+# Orbax 0.12 has no public name for its tree metadata (what restoring from `metadata()` gives
+# and `build_default_tree_metadata` builds): the one private import left here.
+from orbax.checkpoint._src.metadata import tree as tree_metadata
+
+from cocijax.storage import _io, _layout, _manifest, _read, _tree
 from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
 
 
@@ -59,7 +60,7 @@ def restore_tree(
     else:
         flat, treedef = _tree.flatten(target)
         targets, order = _match(manifest, flat, directory)
-    reader = _io.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
+    reader = _read.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
         by_leaf[p.leaf].append(p)
@@ -80,7 +81,7 @@ def restore_tree(
     async def run() -> list[np.ndarray]:
         return await _io.gather_all(_assemble(reader, dt, req) for _, _, req, dt in batch)
 
-    datas = asyncio_utils.run_sync(run()) if batch else []
+    datas = _io.run_sync(run()) if batch else []
     host: list[list[Any]] = [[None] * len(plan.requests) for plan in plans]
     to_put, devices, owners = [], [], []
     for (i, j, _, _), data in zip(batch, datas, strict=True):
@@ -172,7 +173,7 @@ class _Placements:
         key = json.dumps(record.sharding, sort_keys=True)
         if key not in self._saved:
             try:
-                meta = sharding_metadata.from_serialized_string(json.dumps(record.sharding))
+                meta = sharding_metadata(record.sharding)
                 self._saved[key] = meta.to_jax_sharding()
             except (ValueError, KeyError, TypeError, NotImplementedError):
                 self._saved[key] = None  # saved on devices this job does not have
@@ -244,7 +245,7 @@ _Request = tuple[tuple[int, ...], tuple[int, ...], list[tuple[PieceRecord, tuple
 
 
 def _request(
-    reader: _io.PieceReader,
+    reader: _read.PieceReader,
     pieces: list[PieceRecord],
     start: tuple[int, ...],
     stop: tuple[int, ...],
@@ -259,7 +260,7 @@ def _request(
     return start, stop, parts
 
 
-async def _assemble(reader: _io.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
+async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
     """The host array of one requested region of one leaf, read in place from its pieces."""
     start, stop, parts = request
     out = _io.aligned_empty(tuple(b - a for a, b in zip(start, stop, strict=True)), dtype)
@@ -286,7 +287,7 @@ class _LeafPlan:
 
 
 def _plan_leaf(
-    reader: _io.PieceReader,
+    reader: _read.PieceReader,
     record: LeafRecord,
     target: Any,
     pieces: list[PieceRecord],
@@ -294,8 +295,8 @@ def _plan_leaf(
     places: _Placements,
 ) -> _LeafPlan:
     """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
-    if target is type_handlers.PLACEHOLDER:
-        return _LeafPlan([], lambda _: type_handlers.PLACEHOLDER)  # not asked for: not read
+    if target is ocp.PLACEHOLDER:
+        return _LeafPlan([], lambda _: ocp.PLACEHOLDER)  # not asked for: not read
     if isinstance(target, ocp_metadata.Metadata):
         target = _from_metadata(record, target, directory)
     if record.kind == _tree.EMPTY_KIND:
@@ -436,7 +437,7 @@ def _plan_scalar(record: LeafRecord, target: Any, directory: pathlib.Path) -> _L
 
 
 def _plan_device(
-    reader: _io.PieceReader,
+    reader: _read.PieceReader,
     record: LeafRecord,
     pieces: list[PieceRecord],
     sharding: jax.sharding.Sharding,
@@ -466,7 +467,7 @@ def _plan_device(
 
 
 def _plan_key(
-    reader: _io.PieceReader,
+    reader: _read.PieceReader,
     record: LeafRecord,
     target: Any,
     pieces: list[PieceRecord],
@@ -541,7 +542,7 @@ def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
             shape, dtype = _logical(record)
             sharding = None
             if record.sharding is not None:
-                sharding = sharding_metadata.from_serialized_string(json.dumps(record.sharding))
+                sharding = sharding_metadata(record.sharding)
             values.append(
                 ocp_metadata.ArrayMetadata(
                     name=name, directory=directory, shape=shape, sharding=sharding, dtype=dtype
@@ -549,3 +550,14 @@ def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
             )
     tree = _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
     return tree_metadata.build_default_tree_metadata(tree, custom_metadata=manifest.custom_metadata)
+
+
+def sharding_metadata(saved: dict[str, Any]) -> ocp_metadata.ShardingMetadata:
+    """Orbax's sharding metadata from the JSON the manifest recorded (``_snapshot``)."""
+    kind = {
+        "NamedSharding": ocp_metadata.NamedShardingMetadata,
+        "SingleDeviceSharding": ocp_metadata.SingleDeviceShardingMetadata,
+    }.get(saved.get("sharding_type"))
+    if kind is None:
+        raise ValueError(f"unknown sharding type in the manifest: {saved.get('sharding_type')!r}")
+    return kind.from_deserialized_dict(saved)

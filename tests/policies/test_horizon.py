@@ -48,9 +48,9 @@ def _per_step_plan(weights):
     n = len(weights)
     edges = jnp.minimum(jnp.arange(_horizon.NUM_BINS + 1, dtype=jnp.float32), n)
     w = jnp.concatenate([jnp.asarray(weights, jnp.float32), jnp.ones(_horizon.NUM_BINS - n)])
-    plan = _horizon.Plan(edges, w, jnp.zeros_like(edges))
     costs = _horizon.costs(TAU, COST, RECOVERY, MTBF)
-    return _horizon.values(plan, costs, end_without_save=True), costs
+    plan = _horizon.Plan(edges, w, jnp.zeros_like(edges), costs)
+    return _horizon.values(plan, end_without_save=True), costs
 
 
 def test_segment_costs_agree_with_the_monte_carlo_simulator():
@@ -82,10 +82,10 @@ def test_deciding_step_by_step_reproduces_the_optimum(seed):
     """With the true weights, "save now?" at every step is Bellman's optimal policy."""
     rng = np.random.default_rng(seed)
     weights = rng.gamma(0.5, 2.0, size=40)
-    plan, costs = _per_step_plan(weights)
+    plan, _ = _per_step_plan(weights)
     decide = jax.jit(
         lambda step, exposure, rollback: _horizon.decide(
-            plan, costs, step=step, exposure=exposure, rollback_value=rollback,
+            plan, step=step, exposure=exposure, rollback_value=rollback,
             end_without_save=True,
         )
     )  # fmt: skip
@@ -107,10 +107,11 @@ def test_value_before_a_plan_matches_the_plan_made_at_that_save():
         jnp.minimum(4.0 + jnp.arange(_horizon.NUM_BINS + 1, dtype=jnp.float32), 30.0),
         jnp.concatenate([jnp.asarray(weights[4:], jnp.float32), jnp.ones(_horizon.NUM_BINS - 26)]),
         jnp.zeros(_horizon.NUM_BINS + 1),
+        costs,
     )
-    later = _horizon.values(later, costs, end_without_save=True)
+    later = _horizon.values(later, end_without_save=True)
     behind = _horizon.value_before(
-        later, costs, behind=4 * TAU, exposure=float(weights[:4].sum()) * TAU,
+        later, behind=4 * TAU, exposure=float(weights[:4].sum()) * TAU,
         end_without_save=True,
     )  # fmt: skip
     # Exact up to where in the first 4 steps their work sits (value_before spreads it evenly),

@@ -86,17 +86,14 @@ def arm_fault(fault: dict[str, Any]) -> None:
         timer.daemon = True
         timer.start()
 
-    wrapped = 0
     for target in targets:
         try:
             owner, attr = _resolve(target)
             original = getattr(owner, attr)
-        except (ImportError, AttributeError):
-            continue
+        except (ImportError, AttributeError) as e:
+            # Every target must exist: a kill aimed at a renamed function would never land.
+            raise AttributeError(f"fault: {target} does not exist ({e})") from e
         setattr(owner, attr, _wrap(original, maybe_kill))
-        wrapped += 1
-    if not wrapped:
-        raise AttributeError(f"fault: none of {targets} exists")
 
 
 def _wrap(original: Any, before: Any) -> Any:

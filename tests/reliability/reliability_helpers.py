@@ -57,7 +57,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def item_dir(directory: Path | str, step: int) -> Path:
     """The ``state`` item directory of ``step`` (where its cocijax manifest lives)."""
-    from cocijax.manager import STATE_ITEM
+    from cocijax.manager._directory import STATE_ITEM
 
     return Path(directory) / str(step) / STATE_ITEM
 

@@ -50,23 +50,19 @@ RANDOM_WINDOW_S = 1.5
 PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] | None] = {
     "train": ("__main__:pause", (1, 8), (0.0, 0.01)),
     "d2h": (
-        [
-            # Whichever of the handler's host-copy helpers exist (names of private functions).
-            "cocijax.storage._handler:_host_copy",
-            "cocijax.storage._handler:_pack_into",
-            "cocijax.storage._handler:_copy_into",
-            "cocijax.storage._handler:_copy_to_host",
-        ],
+        # The snapshot's two host-copy helpers (private functions: every name must exist, or
+        # the trainer refuses to run, so a renamed helper fails this test instead of skipping).
+        ["cocijax.storage._snapshot:_host_copy", "cocijax.storage._snapshot:_pack_into"],
         (1, 6),
         (0.0, 0.0),
     ),
     # TensorStore writes (compressed pieces) or direct writes of single chunk files.
     "write": (
-        ["cocijax.storage._io:write_piece", "cocijax.storage._direct:write_file"],
+        ["cocijax.storage._write:write_piece", "cocijax.storage._direct:write_file"],
         (1, 8),
         (0.0, 0.01),
     ),
-    "fsync": ("cocijax.storage._io:fsync_tree", (1, 6), (0.0, 0.002)),
+    "fsync": ("cocijax.storage._write:fsync_tree", (1, 6), (0.0, 0.002)),
     "manifest": ("cocijax.storage._manifest:write_json_durably", (1, 6), (0.0, 0.001)),
     "merge": ("cocijax.storage._manifest:merge_parts", (1, 4), (0.0, 0.001)),
     "finalize": (
@@ -92,7 +88,7 @@ def _run(cfg: dict[str, Any], *, kill_after_armed: float | None, timeout: float 
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "_trainer.py"), json.dumps(cfg)],
         cwd=HERE,
-        env=child_env(1, PYTHONPATH=str(HERE)),
+        env=child_env(1, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -67,7 +67,7 @@ def test_two_processes_save_shards_and_restore_anywhere(tmp_path: Path) -> None:
         "steps": 8,
         # Young's interval depends on the measured step time, which differs per process.
         "policy": "young",
-        "policy_kwargs": {"mtbf_s": 0.05},
+        "policy_kwargs": {"mtbf_s": 0.02, "cost_prior_s": 0.01},
     }
     _launch({**cfg, "mode": "save"}, n=2, devices=2)
     records = [json.loads((out / f"process_{i}.json").read_text()) for i in range(2)]

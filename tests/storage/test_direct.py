@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
-from cocijax.storage import _direct, _io
+from cocijax.storage import _direct, _io, _write
 
 DTYPES = [np.float32, np.int8, np.bool_, np.float64, ml_dtypes.bfloat16, np.complex64]
 
@@ -121,7 +121,7 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
 
 
 def test_raw_chunk_rows_accepts_only_plain_bytes_with_default_keys(tmp_path):
-    plain = _io.write_spec(
+    plain = _write.write_spec(
         tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
         compression_level=3,
     )["metadata"]  # fmt: skip

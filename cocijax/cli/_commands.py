@@ -1,0 +1,460 @@
+"""The commands behind ``cocijax`` (see :mod:`cocijax.cli`); they import JAX when they run."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import inspect
+import math
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cocijax.cli import _units
+from cocijax.cli._errors import EXIT_BAD_INPUT, EXIT_DAMAGED, EXIT_OK, CliError
+
+# Layout written by cocijax.CheckpointManager: DIR/<step>/state/ holds the storage manifest
+# (and, without external roots, the stripes); cocijax.torch writes DIR/<step>/cocijax.json.
+TORCH_METADATA = "cocijax.json"
+
+
+def _stdout() -> Console:
+    # Wide enough for the tables when output is piped (rich assumes 80 columns then).
+    return Console(width=None if sys.stdout.isatty() else 120, highlight=False)
+
+
+def _progress() -> Progress:
+    """A progress bar on stderr, only where someone watches it (no stray output in logs)."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+# ------------------------------------------------------------------------------------- plan
+class LossHistory(NamedTuple):
+    """A ``step,loss`` CSV: ``steps`` as logged, ``losses`` with NaN where the cell was empty."""
+
+    steps: np.ndarray  # shape=(n,), int64
+    losses: np.ndarray  # shape=(n,), float64
+
+
+def read_losses(path: str | Path) -> LossHistory:
+    """Reads a CSV with a header holding a ``loss`` column (and optionally ``step``).
+
+    Empty cells and ``nan`` are missing values (NaN). Without a ``step`` column rows count 1, 2, ...
+
+    Raises:
+      CliError: (status 2) when the file is missing, is not text, has no ``loss`` column, no
+        rows, or a cell that is not a number; the message names the file (and line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CliError(f"no such file: {path}")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise CliError(f"{path}: not a CSV text file ({e.__class__.__name__})") from None
+    header = [h.strip().lower() for h in (rows[0] if rows else [])]
+    if "loss" not in header:
+        raise CliError(f"{path}: expected a header with a 'loss' column, got {header}")
+    li = header.index("loss")
+    si = header.index("step") if "step" in header else None
+    steps, losses = [], []
+    for lineno, row in enumerate(rows[1:], start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        try:
+            cell = row[li].strip() if li < len(row) else ""
+            losses.append(float(cell) if cell else math.nan)
+            steps.append(int(float(row[si])) if si is not None else len(losses))
+        except (ValueError, IndexError):
+            raise CliError(f"{path}:{lineno}: not a number in row {row}") from None
+    if not losses:
+        raise CliError(f"{path}: no data rows")
+    return LossHistory(np.asarray(steps, np.int64), np.asarray(losses, np.float64))
+
+
+def make_policy(name: str, args: argparse.Namespace, n_steps: int):
+    """The policy ``name`` from the registry, given the arguments of ``plan`` it takes."""
+    from cocijax import policies
+
+    candidates = {
+        "mtbf_s": args.mtbf,
+        "recovery_s": args.recovery,
+        "time_weight": args.time_weight,
+        "total_steps": n_steps,
+        "max_overhead": args.max_overhead,
+        "every": args.every,
+        # The stall is known here, so it also serves as the prior before the first "save".
+        "cost_prior_s": args.ckpt_cost,
+    }
+    params = inspect.signature(getattr(policies, name)).parameters
+    return policies.by_name(name, **{k: v for k, v in candidates.items() if k in params})
+
+
+class PlanRow(NamedTuple):
+    policy: str
+    save_steps: np.ndarray  # 1-based rows after which the policy saves
+    wall_overhead_s: float
+    weighted_overhead_s: float
+    finished: float  # fraction of simulated jobs that finished (see cj.sim.SimResult)
+
+
+OPTIMAL = "optimal, in hindsight"
+
+
+def plan_policies(history: LossHistory, names, args: argparse.Namespace) -> list[PlanRow]:
+    """Plans and simulates each named policy, then the exact optimum (Poisson failures only)."""
+    import cocijax as cj
+
+    n = len(history.losses)
+    weights = cj.sim.progress_weights(history.losses, args.time_weight)
+    job = dict(
+        n_steps=n,
+        step_time_s=args.step_time,
+        checkpoint_cost_s=args.ckpt_cost,
+        recovery_s=args.recovery,
+        mtbf_s=args.mtbf,
+    )
+
+    def score(name: str, saves: np.ndarray) -> PlanRow:
+        res = cj.sim.simulate(
+            saves,
+            weibull_shape=args.weibull_shape,
+            weights=weights,
+            trials=args.trials,
+            seed=args.seed,
+            **job,
+        )
+        return PlanRow(
+            name, saves, res.wall_overhead_s, res.weighted_overhead_s, float(res.finished)
+        )
+
+    rows = []
+    with _progress() as progress:
+        task = progress.add_task("planning", total=len(names) + 1)
+        for name in names:
+            progress.update(task, description=f"planning {name}")
+            policy = make_policy(name, args, n)
+            saves = np.asarray(
+                cj.plan(
+                    history.losses,
+                    policy,
+                    step_time_s=args.step_time,
+                    checkpoint_cost_s=args.ckpt_cost,
+                )
+            )
+            rows.append(score(name, saves))
+            progress.advance(task)
+        if args.weibull_shape == 1.0:
+            progress.update(task, description="optimal schedule")
+            kw = {k: job[k] for k in ("step_time_s", "checkpoint_cost_s", "recovery_s", "mtbf_s")}
+            rows.append(score(OPTIMAL, cj.sim.optimal_schedule(weights, **kw)))
+        progress.advance(task)
+    return rows
+
+
+def plan(args: argparse.Namespace) -> int:
+    if args.policy == "fixed" and args.every is None:
+        raise CliError("cocijax plan: error: --policy fixed needs --every N")
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError(
+                "--plot needs matplotlib, which is not installed: pip install 'cocijax[plot]'"
+            )
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise CliError(f"cannot write --plot {args.plot}: no such directory")
+    history = read_losses(args.losses)
+    if args.policy == "all":
+        from cocijax import policies
+
+        names = [p for p in policies.names() if p != "fixed" or args.every is not None]
+    else:
+        names = [args.policy]
+    rows = plan_policies(history, names, args)
+
+    n = len(history.losses)
+    job_s = n * args.step_time
+    out = _stdout()
+    shape = "Poisson" if args.weibull_shape == 1.0 else f"Weibull k={args.weibull_shape:g}"
+    fmt = _units.format_duration
+    out.print(
+        f"{args.losses}: {n} steps x {fmt(args.step_time)} = {fmt(job_s)} job\n"
+        f"MTBF {fmt(args.mtbf)} ({shape}), checkpoint {fmt(args.ckpt_cost)}, recovery "
+        f"{fmt(args.recovery)}, time weight {args.time_weight:g}, {args.trials} simulated "
+        "jobs per policy",
+        markup=False,
+    )
+    table = Table(title="Expected overhead per policy (lower is better)")
+    for col, justify in (
+        ("policy", "left"),
+        ("checkpoints", "right"),
+        ("mean interval", "right"),
+        ("wall overhead", "right"),
+        ("weighted overhead", "right"),
+    ):
+        table.add_column(col, justify=justify)
+    finishing = [r.weighted_overhead_s for r in rows if r.finished == 1.0 and r.policy != OPTIMAL]
+    best = min(finishing, default=math.nan)
+    for r in rows:
+        k = len(r.save_steps)
+        interval = fmt(job_s / k) if k else "-"
+        if r.finished < 1.0:
+            # Abandoned jobs would only show a lower bound: say what it means instead.
+            wall = weighted = f"cannot finish ({r.finished:.0%} of jobs did)"
+        else:
+            wall = f"{fmt(r.wall_overhead_s)} ({r.wall_overhead_s / job_s:.1%})"
+            weighted = fmt(r.weighted_overhead_s)
+            if r.weighted_overhead_s == best and len(finishing) > 1:
+                weighted = f"[bold]{weighted}[/bold]"
+        table.add_row(r.policy, str(k), interval, wall, weighted)
+    out.print(table)
+    if any(r.finished < 1.0 for r in rows):
+        out.print(
+            "A schedule that cannot finish needs about exp(segment / MTBF) restarts per "
+            "segment: at this failure rate it must save more often.",
+            markup=False,
+        )
+    if args.weibull_shape != 1.0:
+        out.print("(no optimal row: the exact optimum is computed for Poisson failures only)")
+    if args.plot is not None:
+        plot_plan(history, rows, args.plot)
+        out.print(f"wrote {args.plot}", markup=False)
+    return EXIT_OK
+
+
+def plot_plan(history: LossHistory, rows: list[PlanRow], path: str) -> None:
+    """Loss curve with each policy's checkpoint marks, and cumulative checkpoints per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_pol = len(rows)
+    fig, (ax_loss, ax_marks, ax_cum) = plt.subplots(
+        3,
+        1,
+        figsize=(9, 8),
+        sharex=True,
+        gridspec_kw={"height_ratios": [3, 0.35 * n_pol + 0.5, 2]},
+    )
+    x = history.steps
+    ok = np.isfinite(history.losses)
+    ax_loss.plot(x[ok], history.losses[ok], color="0.25", lw=1.2)
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("Loss, checkpoints of each policy, and checkpoints so far")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(rows):
+        color = "k" if r.policy == OPTIMAL else colors[i % len(colors)]
+        idx = r.save_steps.astype(int) - 1
+        # The marks sit under the curve on a shared step axis, one row per policy.
+        ax_marks.eventplot(x[idx], lineoffsets=n_pol - 1 - i, linelengths=0.7, colors=color)
+        cum = np.zeros(len(x))
+        cum[idx] = 1
+        style = "--" if r.policy == OPTIMAL else "-"
+        ax_cum.step(x, np.cumsum(cum), style, where="post", color=color, label=r.policy)
+    ax_marks.set_yticks(range(n_pol), [r.policy for r in reversed(rows)], fontsize=8)
+    ax_marks.set_ylim(-0.6, n_pol - 0.4)
+    ax_cum.set_xlabel("step")
+    ax_cum.set_ylabel("checkpoints so far")
+    ax_cum.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- ls, verify
+class StepDir(NamedTuple):
+    step: int
+    path: Path
+    kind: str  # "jax" (cocijax.CheckpointManager) or "torch" (cocijax.torch)
+
+
+def find_steps(directory: str | Path) -> list[StepDir]:
+    """The step directories of a cocijax checkpoint directory, oldest first.
+
+    Raises:
+      CliError: (status 2) when ``directory`` is missing or holds steps cocijax did not write.
+    """
+    from cocijax.manager._directory import STATE_ITEM
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CliError(f"no such directory: {directory}")
+    steps, foreign = [], []
+    for entry in directory.iterdir():
+        if not (entry.is_dir() and entry.name.isdigit()):
+            # Hidden entries are cocijax's own (lock, trash, stripes, running marker);
+            # Orbax's temporaries carry its marker. Anything else was put here by someone else.
+            if not entry.name.startswith(".") and ".orbax-checkpoint-tmp" not in entry.name:
+                foreign.append(entry.name)
+            continue
+        if (entry / STATE_ITEM).is_dir():
+            steps.append(StepDir(int(entry.name), entry, "jax"))
+        elif (entry / TORCH_METADATA).is_file():
+            steps.append(StepDir(int(entry.name), entry, "torch"))
+        else:
+            raise CliError(
+                f"{entry} is a step directory without a '{STATE_ITEM}' item or "
+                f"{TORCH_METADATA}: {directory} is not a cocijax checkpoint directory"
+            )
+    if not steps and foreign:
+        raise CliError(
+            f"{directory} is not a cocijax checkpoint directory (it holds {sorted(foreign)[:3]} "
+            "and no step directories)"
+        )
+    return sorted(steps)
+
+
+def _tree_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _item(step: StepDir) -> Path:
+    from cocijax.manager._directory import STATE_ITEM
+
+    return step.path / STATE_ITEM
+
+
+def _step_size(step: StepDir) -> int:
+    """Bytes of a step, with its stripes on external roots (each directory counted once)."""
+    from cocijax import storage
+
+    size = _tree_size(step.path)
+    if step.kind == "jax":
+        try:
+            extra = storage.referenced_stripe_dirs(_item(step))
+        except (ValueError, OSError):
+            extra = []
+        # Stripes inside the step itself (roots=()) are not listed: _tree_size counted them.
+        size += sum(_tree_size(d) for d in extra if d.is_dir())
+    return size
+
+
+def _step_time(step: StepDir) -> float:
+    from cocijax import storage
+
+    marker = (
+        _item(step) / storage.MANIFEST_NAME if step.kind == "jax" else step.path / TORCH_METADATA
+    )
+    return (marker if marker.exists() else step.path).stat().st_mtime
+
+
+def ls(args: argparse.Namespace) -> int:
+    from cocijax import storage
+
+    steps = find_steps(args.directory)
+    out = _stdout()
+    if not steps:
+        out.print(f"{args.directory}: no checkpoints", markup=False)
+        return EXIT_OK
+    table = Table(title=escape(str(args.directory)))
+    for name, justify in (("step", "right"), ("size", "right"), ("time", "left")):
+        table.add_column(name, justify=justify)
+    table.add_column("verified")
+    damaged = False
+    with _progress() as progress:
+        task = progress.add_task("reading", total=len(steps))
+        for st in steps:
+            if args.no_verify:
+                status = "-"
+            elif st.kind == "torch":
+                status = "n/a (torch: no checksums)"
+            elif problems := storage.verify(_item(st)):
+                damaged = True
+                status = f"[red]DAMAGED[/red] ({len(problems)} problem(s))"
+            else:
+                status = "[green]ok[/green]"
+            when = datetime.datetime.fromtimestamp(_step_time(st)).strftime("%Y-%m-%d %H:%M:%S")
+            table.add_row(str(st.step), _units.format_size(_step_size(st)), when, status)
+            progress.advance(task)
+    out.print(table)
+    return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+def verify(args: argparse.Namespace) -> int:
+    from cocijax import storage
+
+    directory = Path(args.directory)
+    if directory.is_dir() and (directory / storage.MANIFEST_NAME).is_file():
+        steps = [StepDir(-1, directory, "item")]  # DIR/<step>/state given directly
+    else:
+        steps = find_steps(directory)
+        if args.step is not None:
+            steps = [s for s in steps if s.step == args.step]
+            if not steps:
+                raise CliError(
+                    f"no step {args.step} in {directory}; steps: "
+                    f"{[s.step for s in find_steps(directory)]}"
+                )
+    out = _stdout()
+    torch_steps = [s.step for s in steps if s.kind == "torch"]
+    steps = [s for s in steps if s.kind != "torch"]
+    bad = 0
+    with _progress() as progress:
+        task = progress.add_task("verifying", total=len(steps))
+        for st in steps:
+            item = st.path if st.kind == "item" else _item(st)
+            where = str(item) if st.kind == "item" else f"step {st.step}"
+            for p in storage.verify(item):
+                bad += 1
+                # One unwrapped line per problem (for grep and logs): leaf, file, what.
+                leaf = p.leaf_path or "(no leaf)"
+                print(f"{where}: leaf {leaf}, file {p.file}: {p.what}", flush=True)
+            progress.advance(task)
+    if torch_steps:
+        out.print(f"steps {torch_steps}: PyTorch checkpoints have no checksums", markup=False)
+    if bad:
+        print(f"cocijax verify: {bad} problem(s) in {directory}", file=sys.stderr)
+        return EXIT_DAMAGED
+    if not steps:
+        if not torch_steps:
+            out.print(f"{directory}: no checkpoints", markup=False)
+        return EXIT_OK
+    label = "item" if steps[0].kind == "item" else f"{len(steps)} step(s)"
+    out.print(f"OK: {label} verified in {directory}", markup=False)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------ bench
+def _find_write_bench() -> Path | None:
+    # The benchmark lives in the source tree next to the package, not inside it.
+    candidate = Path(__file__).resolve().parents[2] / "benchmarks" / "write_bench.py"
+    return candidate if candidate.is_file() else None
+
+
+def bench(argv: list[str]) -> int:
+    path = _find_write_bench()
+    if path is None:
+        raise CliError(
+            "the write benchmark is not available: it ships in the source tree "
+            "(benchmarks/write_bench.py); run from a git checkout installed with pip install -e",
+            code=EXIT_BAD_INPUT,
+        )
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # for the benchmarks' shared _report module
+    spec = importlib.util.spec_from_file_location("cocijax_write_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # The benchmark's argparse takes its program name from argv[0]: show how it was invoked.
+    saved, sys.argv[0] = sys.argv[0], "cocijax bench"
+    try:
+        status = module.main(argv)
+    finally:
+        sys.argv[0] = saved
+    return int(status or 0)

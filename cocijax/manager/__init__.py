@@ -1,0 +1,28 @@
+"""Checkpoint managers: a policy decides when to save; the manager measures what it needs.
+
+* :class:`CheckpointManager` (JAX): composes Orbax's ``CheckpointManager`` with the striped
+  handler; ``save(step, state, loss=...)`` after every step.
+* :class:`SaveDecisionPolicy`: any cocijax policy inside your own ``ocp.CheckpointManager``.
+* ``cocijax.torch.CheckpointManager`` (PyTorch, DCP) shares this package's core: the driver
+  (``_driver``: measured step time and save cost, the loss read late, the policy fed only at
+  its check steps), the job history (``_history``: learned MTBF and recovery time), the
+  directory lock (``_lock``) and the contract and errors (``_contract``) both managers follow.
+"""
+
+from cocijax.manager._checkpoint_manager import CheckpointManager
+from cocijax.manager._contract import (
+    DirectoryLockedError,
+    ManagerClosedError,
+    ManagerProtocol,
+    Measurements,
+)
+from cocijax.manager._save_decision import SaveDecisionPolicy
+
+__all__ = [
+    "CheckpointManager",
+    "DirectoryLockedError",
+    "ManagerClosedError",
+    "ManagerProtocol",
+    "Measurements",
+    "SaveDecisionPolicy",
+]

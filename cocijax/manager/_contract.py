@@ -1,0 +1,163 @@
+"""What every cocijax checkpoint manager does, and the errors it raises.
+
+:class:`ManagerProtocol` is the contract that :class:`cocijax.CheckpointManager` (JAX, Orbax)
+and :class:`cocijax.torch.CheckpointManager` (PyTorch, DCP) both implement: call ``save`` after
+every training step and a policy decides. Both raise the same errors for the same misuse:
+
+* ``save`` or ``restore`` on a closed manager: :class:`ManagerClosedError` (listing the steps
+  still answers; closing again does nothing);
+* a directory another manager writes to: :class:`DirectoryLockedError`;
+* a step that is not an integer: ``TypeError``; below 1, or not after the latest saved step or
+  the previous call's step: ``ValueError`` (:func:`check_step` and :func:`check_step_order`
+  word both);
+* a loss that is not a scalar: ``TypeError`` (not a number) or ``ValueError`` (several
+  elements);
+* a step that is not a committed checkpoint, in ``restore``: ``FileNotFoundError`` listing the
+  committed steps;
+* a directory holding something the manager did not write: ``ValueError`` naming the entry.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+__all__ = [
+    "DirectoryLockedError",
+    "ManagerClosedError",
+    "ManagerProtocol",
+    "Measurements",
+    "check_step",
+    "check_step_order",
+]
+
+
+class DirectoryLockedError(RuntimeError):
+    """Another manager (in this or another process) writes to the directory."""
+
+
+class ManagerClosedError(ValueError, RuntimeError):
+    """The manager was closed; open a new one.
+
+    Both a ``ValueError`` (what the JAX manager raised, like a closed file) and a
+    ``RuntimeError`` (what the PyTorch manager raised), so that code written for either keeps
+    catching it.
+    """
+
+
+class Measurements(NamedTuple):
+    """What the policy was told at the last ``save`` call, and what the job has learned.
+
+    Attributes:
+      step_time_s: the step time it was given (the interval since the previous call, minus a
+        save's blocking time); NaN if unknown.
+      loss: the loss it was given (the JAX manager's is the previous step's, read one call
+        late; the PyTorch manager's is the step's own); NaN if unknown.
+      cost_estimate_s: the checkpoint cost it was given (NaN before the first timed save).
+      last_save_s: the blocking time of the most recent save (NaN before the first).
+      mtbf_s: the MTBF it was given, learned from the job's history (a policy built with its
+        own ``mtbf_s`` uses that instead).
+      recovery_s: the recovery time it was given, measured (NaN before the first restore).
+      failures: failures of the job so far, as the directory recorded them.
+    """
+
+    step_time_s: float
+    loss: float
+    cost_estimate_s: float
+    last_save_s: float
+    mtbf_s: float = math.nan
+    recovery_s: float = math.nan
+    failures: int = 0
+
+
+def check_step(step: Any) -> int:
+    """A training step as given to a manager's ``save``: an ``int`` (or NumPy integer) >= 1.
+
+    Raises:
+      TypeError: ``step`` is not an integer (a float, a string, a bool, None).
+      ValueError: ``step`` is below 1.
+    """
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise TypeError(f"step: expected an int, got {type(step).__name__} {step!r}.")
+    step = step.__index__()
+    if step < 1:
+        raise ValueError(f"step: must be >= 1 (completed training steps), got {step}.")
+    return step
+
+
+def check_step_order(step: int, latest_saved: int | None, previous: int | None, where) -> None:
+    """Raises ``ValueError`` unless ``step`` follows both the latest saved and previous step."""
+    if latest_saved is not None and step <= latest_saved:
+        raise ValueError(
+            f"step: {step} is not after the latest saved step {latest_saved} in {where}; "
+            "resume from latest_step() + 1, or delete() the newer steps first."
+        )
+    if previous is not None and step <= previous:
+        raise ValueError(
+            f"step: {step} is not after the previous call's step {previous}; "
+            "call save once per training step with increasing steps."
+        )
+
+
+@runtime_checkable
+class ManagerProtocol(Protocol):
+    """A checkpoint manager driven by a :mod:`cocijax.policies` policy.
+
+    Call :meth:`save` after every training step with the step's loss; the manager measures the
+    step time and the cost of its saves itself, asks the policy, and saves when it says so. The
+    policy state is saved with every checkpoint, so a restarted job continues its schedule.
+
+    Example:
+      >>> import tempfile, cocijax as cj
+      >>> with cj.CheckpointManager(tempfile.mkdtemp()) as mngr:
+      ...     isinstance(mngr, ManagerProtocol)
+      True
+    """
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        ...
+
+    @property
+    def policy_state(self) -> Any:
+        """The policy state after the latest ``save`` call (a pytree of arrays)."""
+        ...
+
+    @property
+    def measurements(self) -> Measurements:
+        """The inputs of the policy's last decision."""
+        ...
+
+    def save(self, step: int, state: Any, *, loss: Any, force: bool = False) -> bool:
+        """Feeds one completed training step to the policy; saves when it says so (or ``force``).
+
+        Returns:
+          True when this step is being saved.
+        """
+        ...
+
+    def restore(self, step: int | None = None, target: Any = None) -> Any:
+        """Restores ``step`` (default: the latest) and continues the policy schedule from it."""
+        ...
+
+    def all_steps(self) -> list[int]:
+        """Saved steps, oldest first."""
+        ...
+
+    def latest_step(self) -> int | None:
+        """The newest saved step, or None."""
+        ...
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is committed; re-raises its error."""
+        ...
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the directory; idempotent."""
+        ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...

@@ -1,0 +1,215 @@
+"""The blocking part of a save: this process's share of a tree, copied to host memory once.
+
+Every leaf is recorded for the manifest; every replica-0 shard (or whole numpy array, on the
+primary process) becomes a *chunk* to write, and ``_layout`` plans the pieces. Then each chunk
+is copied exactly once, in parallel (numpy's copy releases the GIL), into page-aligned memory
+that direct writes use as it is; small chunks are copied straight into their packs. A piece of
+at least one full chunk on an external root starts writing (``start_raw``) as soon as its own
+copy is done, while the rest is still being copied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from cocijax.storage import _direct, _io, _layout, _manifest, _tree
+from cocijax.storage._manifest import LeafRecord
+
+# Starts the direct writes of one piece: (stripe directory, piece, its host data) -> futures,
+# or None when the piece must go through TensorStore.
+StartRaw = Callable[
+    [pathlib.Path, _layout.Piece, np.ndarray], list[concurrent.futures.Future] | None
+]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Host copy of this process's share of a tree, plus the plan to write it."""
+
+    leaves: list[LeafRecord]
+    pieces: list[_layout.Piece]
+    buffers: list[np.ndarray | None]  # per chunk source: the host copy of an unpacked chunk
+    packs: dict[str, np.ndarray]  # per packed piece name: its flat host buffer
+    stripe: str  # name of this save's stripe directory on every root
+    # Per piece name: chunk-file writes started while the rest of the tree was being copied.
+    early: dict[str, list[concurrent.futures.Future]]
+    custom_metadata: Any = None  # StripedSave.custom_metadata, kept in the manifest
+
+    def data(self, piece: _layout.Piece) -> np.ndarray:
+        if piece.packed:
+            return self.packs[piece.name]
+        chunk, start, stop, _ = piece.members[0]
+        return self.buffers[chunk.source][_layout.local_slices(start, stop, chunk.start)]
+
+    def member_views(self, piece: _layout.Piece) -> list[np.ndarray]:
+        """The host data of each leaf region in ``piece`` (one, unless it is a pack)."""
+        if not piece.packed:
+            return [self.data(piece)]
+        buf = self.packs[piece.name]
+        return [buf[off : off + math.prod(chunk.shape)] for chunk, _, _, off in piece.members]
+
+
+def describe(item: Any, write_numpy: bool) -> tuple[list[LeafRecord], list[_layout.Chunk], list]:
+    """The manifest records of every leaf, the chunks this process writes, and their sources.
+
+    Raises:
+      UnsupportedLeafError: a leaf's type or dtype cannot be saved (names its path).
+    """
+    leaves: list[LeafRecord] = []
+    chunks: list[_layout.Chunk] = []
+    sources: list[Any] = []
+    for index, (path, leaf) in enumerate(_tree.flatten(item)[0]):
+        kind = _tree.leaf_kind(path, leaf)
+        keys = _tree.encode_keys(path)
+        name = jax.tree_util.keystr(path)
+        if kind in _tree.INLINE_KINDS:
+            value = _tree.empty_tag(leaf) if kind == _tree.EMPTY_KIND else leaf
+            leaves.append(LeafRecord(name, keys, kind, None, (), value=value))
+            continue
+        sharding = key_impl = None
+        if kind in ("jax", _tree.KEY_KIND):
+            sharding = _sharding_json(leaf.sharding)
+        if kind == _tree.KEY_KIND:
+            # The key data (uint32, the keys' shape + the impl's key shape) is what is stored,
+            # sharded as the keys are; the implementation rebuilds the keys.
+            key_impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        dtype = np.dtype(leaf.dtype)
+        shape = tuple(int(d) for d in leaf.shape)
+        leaves.append(
+            LeafRecord(name, keys, kind, dtype.name, shape, sharding=sharding, key_impl=key_impl)
+        )
+        whole = (0,) * len(shape), shape
+        if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) == 1:
+            # Single-device array (the common case): skip building shard objects.
+            if leaf.is_fully_addressable:
+                chunks.append(_layout.Chunk(index, *whole, dtype, len(sources)))
+                sources.append(leaf)
+        elif isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                if shard.replica_id == 0:
+                    start, stop = _layout.box(shard.index, shape)
+                    chunks.append(_layout.Chunk(index, start, stop, dtype, len(sources)))
+                    sources.append(shard.data)
+        elif write_numpy:
+            chunks.append(_layout.Chunk(index, *whole, dtype, len(sources)))
+            sources.append(leaf)
+    return leaves, chunks, sources
+
+
+def take(
+    item: Any,
+    roots: Sequence[pathlib.Path | None],
+    *,
+    piece_bytes: int,
+    small_bytes: int,
+    chunk_bytes: int,
+    write_numpy: bool,
+    pool: concurrent.futures.Executor,
+    start_raw: StartRaw,
+) -> Snapshot:
+    """Plans the pieces of ``item`` and copies this process's share to host memory.
+
+    Args:
+      item: the tree to save.
+      roots: the handler's roots (``None``: the item directory, not known yet).
+      piece_bytes: largest piece.
+      small_bytes: regions below this size are packed.
+      chunk_bytes: pieces of at least this size on external roots start writing early.
+      write_numpy: this process writes numpy leaves (the primary one).
+      pool: threads for the copies.
+      start_raw: starts a piece's direct writes (see :data:`StartRaw`).
+    """
+    leaves, chunks, sources = describe(item, write_numpy)
+    pieces = _layout.plan(chunks, len(roots), piece_bytes=piece_bytes, small_bytes=small_bytes)
+    for s in sources:
+        if isinstance(s, jax.Array):
+            s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
+    stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
+    snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {})
+    # Stripe directories on external roots can be made now, so a piece's chunk files can be
+    # written as soon as its host copy is done (the item directory may not exist yet). Only
+    # pieces of at least one full chunk start early: with few cores, the per-file work of small
+    # pieces slowed the copy that blocks the caller more than it saved (measured).
+    early_roots = {p.root for p in pieces if roots[p.root] is not None}
+    for r in early_roots:
+        (roots[r] / stripe).mkdir()
+
+    def copy_then_write(job: tuple[Callable[[], None], list[_layout.Piece]]) -> None:
+        copy, copied = job
+        copy()
+        for piece in copied:
+            if piece.root in early_roots and piece.nbytes >= chunk_bytes:
+                started = start_raw(roots[piece.root] / stripe, piece, snapshot.data(piece))
+                if started is not None:
+                    snapshot.early[piece.name] = started
+
+    list(pool.map(copy_then_write, _copy_jobs(snapshot, sources)))
+    return snapshot
+
+
+def _copy_jobs(snapshot: Snapshot, sources: list[Any]):
+    """(copy function, pieces it completes): one per packed piece, one per unpacked source."""
+    jobs: list[tuple[Callable[[], None], list[_layout.Piece]]] = []
+    by_source: dict[int, list[_layout.Piece]] = {}
+    for piece in snapshot.pieces:
+        if piece.packed:
+            # Small regions are copied straight into their pack (still one copy each), in one
+            # job per pack: one numpy call instead of a thread hop per leaf.
+            buf = _io.aligned_empty(piece.shape, piece.dtype, _direct.BLOCK)
+            snapshot.packs[piece.name] = buf
+            members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
+            jobs.append((functools.partial(_pack_into, members, buf), [piece]))
+            continue
+        src = piece.members[0][0].source
+        if src not in by_source:
+            by_source[src] = []
+            jobs.append((functools.partial(_copy_source, snapshot, sources, src), by_source[src]))
+        by_source[src].append(piece)
+    return jobs
+
+
+def _sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any] | None:
+    """``sharding`` as Orbax's sharding metadata JSON; None for types Orbax cannot describe."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        metadata = ocp.metadata.NamedShardingMetadata.from_jax_sharding(sharding)
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        metadata = ocp.metadata.SingleDeviceShardingMetadata.from_jax_sharding(sharding)
+    else:
+        return None
+    return json.loads(metadata.to_serialized_string())
+
+
+def _host_copy(source: Any) -> np.ndarray:
+    """Exactly one copy of ``source`` in host memory that nothing else references.
+
+    On CPU it is page-aligned, so that direct writes can use it as it is.
+    """
+    if isinstance(source, jax.Array) and next(iter(source.devices())).platform != "cpu":
+        return np.asarray(source)  # The device-to-host transfer made a fresh buffer.
+    # On CPU np.asarray aliases the device buffer, which the next step may donate: copy now.
+    view = np.asarray(source)
+    out = _io.aligned_empty(view.shape, view.dtype, _direct.BLOCK)
+    np.copyto(out, view)
+    return out
+
+
+def _copy_source(snapshot: Snapshot, sources: list[Any], index: int) -> None:
+    snapshot.buffers[index] = _host_copy(sources[index])
+
+
+def _pack_into(sources: list[Any], dest: np.ndarray) -> None:
+    """Copies ``sources`` back to back into the flat ``dest`` (one copy, even on CPU)."""
+    np.concatenate([np.asarray(s).reshape(-1) for s in sources], out=dest)

@@ -1,0 +1,82 @@
+"""The write path of a piece: its zarr v3 spec, TensorStore writes, durable directories.
+
+Every piece is a standard zarr v3 array (``zarr3`` driver on the ``file`` kvstore), so
+zarr-python reads it without cocijax. TensorStore creates every array and writes compressed
+pieces; the chunk files of uncompressed pieces are written by ``_direct``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from cocijax.storage import _direct, _manifest
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[int]:
+    """Chunk grid for a piece: whole trailing dimensions, axis 0 cut to about ``chunk_bytes``.
+
+    When a chunk holds several rows, their count is rounded down so that every chunk spans a
+    multiple of 4096 bytes: chunks of a page-aligned buffer then stay page-aligned.
+    """
+    if not shape:
+        return []
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0], chunk_bytes // max(row, 1)))
+    step = _direct.BLOCK // math.gcd(max(row, 1), _direct.BLOCK)
+    if rows < shape[0] and rows >= step:
+        rows -= rows % step
+    return [rows, *shape[1:]]
+
+
+def write_spec(
+    path: pathlib.Path,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    *,
+    chunk_bytes: int,
+    compression: str | None,
+    compression_level: int,
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, chunk_bytes)},
+        },
+    }
+    # Pinned rather than left to defaults: _direct writes uncompressed chunk files itself.
+    metadata["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+    metadata["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compression == "zstd":
+        metadata["codecs"].append({"name": "zstd", "configuration": {"level": compression_level}})
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "metadata": metadata,
+        "create": True,
+        # Zero chunks must exist on disk too: reads refuse missing chunks (see read_spec).
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+async def write_piece(spec: dict[str, Any], data: np.ndarray, context: ts.Context) -> None:
+    array = await ts.open(spec, context=context)
+    await array.write(data, can_reference_source_data_indefinitely=True)
+
+
+def fsync_tree(top: pathlib.Path) -> None:
+    """fsyncs ``top``, every directory below it, and ``top``'s parent (which gained an entry).
+
+    TensorStore already fsynced every file and the directory holding it; the directories it
+    created (``c/``, ``c/0/``) and the stripe directory itself are made durable here.
+    """
+    for dirpath, _, _ in os.walk(top):
+        _manifest.fsync_dir(dirpath)
+    _manifest.fsync_dir(top.parent)

@@ -1,0 +1,128 @@
+"""Tests of cocijax.SaveDecisionPolicy, alone and inside a plain ocp.CheckpointManager."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.path
+
+import cocijax as cj
+
+CONTEXT = SimpleNamespace(is_saving_in_progress=False, reached_preemption=False)
+
+
+def info(step, metrics=None):
+    return SimpleNamespace(step=step, metrics=metrics, time=datetime.datetime.now())
+
+
+def test_drives_a_plain_orbax_manager(tmp_path):
+    sdp = cj.SaveDecisionPolicy(cj.policies.fixed(3))
+    assert isinstance(sdp, ocp.checkpoint_managers.SaveDecisionPolicy)
+    options = ocp.CheckpointManagerOptions(save_decision_policy=sdp)
+    with ocp.CheckpointManager(tmp_path / "ck", options=options) as mngr:
+        saved = []
+        for step in range(1, 10):
+            sdp.observe(jnp.float32(1.0 / step))
+            if mngr.save(step, args=ocp.args.StandardSave({"x": np.full(3, step)})):
+                saved.append(step)
+        mngr.wait_until_finished()
+        assert saved == [3, 6, 9]
+        assert list(mngr.all_steps()) == [3, 6, 9]
+
+
+def test_measures_times_and_splits_off_the_save_cost():
+    clock = FakeClock()
+    sdp = cj.SaveDecisionPolicy(recording(2), clock=clock)
+    for step, (dt, loss) in enumerate([(1.0, 4.0), (1.0, 3.0), (3.5, 2.0), (1.0, 1.0)], start=1):
+        clock.advance(dt)
+        sdp.observe(loss)
+        sdp.should_save(info(step), [], context=CONTEXT)
+        if step == 2:
+            seen = sdp.state
+            assert float(seen.step_time) == 1.0 and math.isnan(seen.cost)
+            assert float(seen.loss) == 4.0  # step 1's loss, read one step late
+    seen = sdp.state
+    # Step 2 saved; the interval before step 3 (3.5 s) holds a 1 s step and a 2.5 s save.
+    assert float(seen.cost) == 2.5
+    assert float(seen.step_time) == 1.0
+    assert float(seen.loss) == 2.0
+    assert int(seen.calls) == 4
+
+
+def test_reads_loss_from_metrics_and_answers_repeats_once():
+    clock = FakeClock(tick=1.0)
+    sdp = cj.SaveDecisionPolicy(recording(2), metric="train_loss", clock=clock)
+    assert sdp.should_save(info(1, {"train_loss": 0.75}), [], context=CONTEXT) is False
+    assert float(sdp.state.loss) == 0.75
+    assert sdp.should_save(info(2, {"train_loss": 0.5}), [], context=CONTEXT) is True
+    # Orbax may ask again for the same step: same answer, the policy is not fed twice.
+    assert sdp.should_save(info(2, {"train_loss": 0.5}), [], context=CONTEXT) is True
+    assert int(sdp.state.calls) == 2
+    with pytest.raises(ValueError, match="step: 1"):
+        sdp.should_save(info(1), [], context=CONTEXT)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="policy"):
+        cj.SaveDecisionPolicy(lambda: None)
+    with pytest.raises(TypeError, match="metric"):
+        cj.SaveDecisionPolicy(cj.policies.fixed(1), metric=3)
+    sdp = cj.SaveDecisionPolicy(cj.policies.fixed(1))
+    with pytest.raises(ValueError, match="loss"):
+        sdp.observe(np.ones((2, 2)))
+
+
+def test_state_json_continues_the_schedule():
+    def policy():
+        return cj.policies.coci(mtbf_s=30.0, min_points=8)
+
+    losses = 0.2 + 3.0 * np.exp(-np.arange(40) / 10.0)
+
+    def run(steps, state=None):
+        clock = FakeClock()
+        sdp = cj.SaveDecisionPolicy(policy(), clock=clock)
+        if state is not None:
+            sdp.load_state_json(json.loads(json.dumps(state)))  # survives a JSON round trip
+        decisions, saved = [], False
+        for step in steps:
+            clock.advance(3.0 if saved else 1.0)  # 1 s steps; a save blocks for 2 s more
+            sdp.observe(float(losses[step - 1]))
+            saved = sdp.should_save(info(step), [], context=CONTEXT)
+            decisions.append(saved)
+        return decisions, sdp.state_json()
+
+    whole, _ = run(range(1, 41))
+    assert 2 <= sum(whole) < 20, whole  # a real schedule
+    # Cut after a step that did not save, once a save has been timed.
+    first_save = whole.index(True) + 1
+    cut = next(s for s in range(first_save + 2, 40) if not whole[s - 1])
+    head, state = run(range(1, cut + 1))
+    tail, _ = run(range(cut + 1, 41), state)
+    assert head + tail == whole
+
+
+def test_a_first_save_decision_does_not_leave_it_without_a_step_time():
+    """Found by a user: a policy whose first decision is "save" saved every step for ever
+    (40 of 40, step time and cost unknown throughout). The interval after a save now stands
+    for the step time until a clean one is measured."""
+    clock = FakeClock()
+    policy = cj.policies.coci(mtbf_s=10.0, cost_prior_s=0.05)
+    sdp = cj.SaveDecisionPolicy(policy, clock=clock)
+    saves = []
+    for step in range(1, 41):
+        clock.advance(0.002)  # the training step
+        if sdp.should_save(info(step), [], context=CONTEXT):
+            saves.append(step)
+            clock.advance(0.02)  # the save Orbax makes after a "yes"
+    measured = json.loads(sdp.state_json())
+    assert measured["step_time_s"] == pytest.approx(0.002, rel=1e-6)
+    # With 2 ms steps and a 50 ms prior cost, Young's interval (1 s) is 500 steps: after the
+    # first save, none is due within 40 steps.
+    assert saves == [1], saves
