@@ -175,7 +175,7 @@ class CheckpointManager:
         policy = policies.coci() if policy is None else policy
 
         if not self._read_only:
-            self._directory.mkdir(parents=True, exist_ok=True)
+            storage.make_dirs(self._directory)  # durably: a power loss must not lose it
         elif not self._directory.is_dir():
             raise FileNotFoundError(f"directory: {self._directory} does not exist.")
         if not self._read_only and self._primary:

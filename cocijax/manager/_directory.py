@@ -18,6 +18,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from cocijax import storage
+from cocijax.manager._durable import DurableRenameTemporaryPath
 
 __all__ = [
     "POLICY_ITEM",
@@ -127,6 +128,8 @@ def merge_options(
             )
     return dataclasses.replace(
         options,
+        # Orbax's commit fsyncs nothing; a user's own temporary-path class is kept as given.
+        temporary_path_class=options.temporary_path_class or DurableRenameTemporaryPath,
         step_name_format=CommittedStepFormat(),
         cleanup_tmp_directories=not options.read_only,
         todelete_subdir=TRASH_DIR,

@@ -41,6 +41,10 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path]) -> None:
             shutil.rmtree(entry, ignore_errors=True)
     if not stripe_roots:
         return
+    # Orbax renamed the dropped steps into the trash without syncing: make that durable before
+    # their stripes go, or after a power loss a step could be listed again without its data
+    # (found by tests/reliability/test_power_loss.py).
+    storage.fsync_dir(directory)
     items = [e / STATE_ITEM for e in directory.iterdir() if STEP_RE.match(e.name)]
     garbage = storage.unreferenced_stripe_dirs(stripe_roots, items)
     if garbage is None:

@@ -7,7 +7,7 @@ uses: the handler and its args, reading and verifying what it wrote (:func:`read
 :func:`verify`), and what a manager needs to refuse a tree before saving it
 (:func:`check_tree`), to collect the stripes no step references
 (:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`)
-and to make a rename durable (:func:`fsync_dir`).
+and to make a rename or a new directory durable (:func:`fsync_dir`, :func:`make_dirs`).
 """
 
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
@@ -23,6 +23,7 @@ from cocijax.storage._manifest import (
     check_tree,
     find_stripe_dirs,
     fsync_dir,
+    make_dirs,
     read_manifest,
     referenced_stripe_dirs,
     unreferenced_stripe_dirs,
@@ -46,6 +47,7 @@ __all__ = [
     "check_tree",
     "find_stripe_dirs",
     "fsync_dir",
+    "make_dirs",
     "read_manifest",
     "referenced_stripe_dirs",
     "unreferenced_stripe_dirs",

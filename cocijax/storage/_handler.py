@@ -419,7 +419,7 @@ def _restore_args(args: Any, item: Any) -> StripedRestore:
 
 def _check_writable(path: pathlib.Path, name: str) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        _manifest.make_dirs(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".cocijax-probe-"):
             pass
     except OSError as e:

@@ -290,17 +290,46 @@ def fsync_dir(path: os.PathLike | str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as e:  # fsync(2) errors do not name the directory
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
     finally:
         os.close(fd)
+
+
+def make_dirs(path: os.PathLike | str) -> pathlib.Path:
+    """Creates directory ``path`` and its missing parents durably; returns it.
+
+    ``mkdir(parents=True)`` alone leaves each new name in a directory that was never synced,
+    so a power loss may lose the whole tree (and everything later made durable inside it):
+    each parent that gained an entry is fsynced here, deepest first.
+
+    Example:
+      >>> import tempfile
+      >>> make_dirs(pathlib.Path(tempfile.mkdtemp()) / "a" / "b").is_dir()
+      True
+    """
+    path = pathlib.Path(path)
+    created = []
+    missing = path
+    while not missing.exists():
+        created.append(missing)
+        missing = missing.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for new in created:
+        fsync_dir(new.parent)
+    return path
 
 
 def write_json_durably(path: pathlib.Path, data: Any) -> None:
     """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # write(2) and fsync(2) errors do not name the file
+        raise OSError(e.errno, e.strerror, str(tmp)) from e
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

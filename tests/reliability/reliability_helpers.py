@@ -92,3 +92,22 @@ def pieces(item: Path) -> list[PieceOnDisk]:
         )
         for p in manifest.pieces
     ]
+
+
+def require_tool(name: str, why: str) -> str:
+    """The path of system tool ``name``; skips the test without it, except under CI.
+
+    ``make test`` installs the tools these tests need where it can (root and apt-get); CI runs as
+    root, so there a missing tool is a failure, never a silent skip.
+    """
+    import shutil
+
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} is not installed ({why}); `make test` installs it as root with apt-get"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must run this test: {reason}")
+        pytest.skip(reason)
+    return path
