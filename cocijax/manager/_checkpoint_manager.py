@@ -50,6 +50,7 @@ from cocijax.manager._directory import (
     merge_options,
 )
 from cocijax.manager._driver import PolicyDriver, stage_loss
+from cocijax.manager._faults import naming, retry_deletions, wait
 from cocijax.manager._gc import collect_garbage
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
@@ -339,9 +340,10 @@ class CheckpointManager:
         ready = threading.Event()
         try:
             with self._driver.saving() as measured:
-                self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
-                self._collect_garbage()
-                self._clear_uncommitted(step)
+                self._wait()  # a still-running save is a real stall: timed
+                with naming(self._step_dir(step), self._paths):
+                    self._collect_garbage()
+                    self._clear_uncommitted(step)
                 if not self._async:
                     # A synchronous Orbax save waits for every item, the policy item included,
                     # so that item records the cost measured so far; the policy itself is fed
@@ -352,13 +354,14 @@ class CheckpointManager:
                     build=lambda: self._driver.to_json(snapshot, cost_s=measured["cost_s"]),
                     ready=ready,
                 )
-                self.orbax.save(
-                    step,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item}
-                    ),
-                    force=True,
-                )
+                with naming(self._step_dir(step), self._paths):
+                    self.orbax.save(
+                        step,
+                        args=ocp.args.Composite(
+                            **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item}
+                        ),
+                        force=True,
+                    )
                 self._latest_saved = step
         finally:
             ready.set()
@@ -375,10 +378,23 @@ class CheckpointManager:
             entry.rename(target)
             self._uncommitted.remove(entry)
 
+    @property
+    def _paths(self) -> tuple[Path, ...]:
+        """Where this manager writes: an error naming any path below these says where it is."""
+        return (self._directory, *self._roots)
+
+    def _step_dir(self, step: int | None) -> Path:
+        return self._directory if step is None else self._directory / str(step)
+
+    def _wait(self) -> None:
+        """Waits for the running save; its errors (every one, once) name a path."""
+        wait(self.orbax, self._step_dir(self._latest_saved), self._paths)
+
     def _collect_garbage(self) -> None:
-        """Empties the trash and removes unreferenced stripes (primary writer only)."""
+        """Empties the trash, removes unreferenced stripes, retries failed deletions of steps."""
         if not self._read_only and self._primary:
             collect_garbage(self._directory, self._stripe_roots)
+            retry_deletions(self.orbax, self._directory)
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -490,7 +506,7 @@ class CheckpointManager:
                 f"delete: step {step} is not a committed step in {self._directory} "
                 f"(committed: {self.all_steps()})."
             )
-        self.orbax.wait_until_finished()
+        self._wait()
         self.orbax.delete(step)
         self._committed.discard(step)
         self._latest_saved = self.latest_step()
@@ -499,23 +515,25 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Blocks until the running save is committed (re-raises its error), then collects."""
         self._check_open()
-        self.orbax.wait_until_finished()
-        self.orbax.check_for_errors()
-        self._collect_garbage()
+        self._wait()
+        with naming(self._directory, self._paths):
+            self._collect_garbage()
 
     def close(self) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock."""
         if self._closed:
             return
         try:
-            self.orbax.wait_until_finished()  # re-raises a failed save: close all the same
-            self._collect_garbage()
+            self._wait()  # re-raises a failed save: close all the same
+            with naming(self._directory, self._paths):
+                self._collect_garbage()
         finally:
-            try:
-                self.orbax.close()
-            finally:
-                self._closed = True
-                self._release()
+            with naming(self._directory, self._paths):
+                try:
+                    self.orbax.close()
+                finally:
+                    self._closed = True
+                    self._release()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -324,9 +324,10 @@ class Replay:
             if phase == "start":
                 if not do(call):
                     self._deferred.add(call.pid)
-            elif phase == "full" or (call.pid in self._deferred and (call.ret or 0) >= 0):
-                do(call)
-            self._deferred.discard(call.pid)
+            else:
+                if phase == "full" or (call.pid in self._deferred and (call.ret or 0) >= 0):
+                    do(call)
+                self._deferred.discard(call.pid)
             if opens and phase != "start" and call.ret is not None and call.ret >= 0:
                 self._open_fd(call)
             return

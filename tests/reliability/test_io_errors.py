@@ -1,0 +1,69 @@
+"""Injected I/O errors: libfiu makes file calls fail at random while a manager saves.
+
+Each chain is one process started with ``fiu-run -x`` (libfiu's POSIX wrappers preloaded) that
+runs seeded trials on one checkpoint directory; ``_fiu_worker.py`` says what a trial does and
+checks. This test collects the trials' JSON lines and fails on any problem, on a process that
+did not finish its trials (a crash or a hang: the worker dumps its threads and exits after
+``trial_timeout_s``), and on a trial run that injected no error at all.
+
+``COCIJAX_FIU_TRIALS`` sets the number of trials per CI run (default 200, over four chains),
+``COCIJAX_FIU_SEED`` the seed. Needs ``fiu-run`` (Debian's ``fiu-utils``, installed by
+``make test`` where it can); skipped without it, except under CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from reliability_helpers import HERE, child_env, require_tool
+
+TRIALS = int(os.environ.get("COCIJAX_FIU_TRIALS", "200"))
+SEED = int(os.environ.get("COCIJAX_FIU_SEED", "20261207"))
+CHAINS = 4
+PROBABILITIES = [0.002, 0.005, 0.01, 0.02, 0.03]
+
+
+@pytest.mark.parametrize("chain", range(CHAINS))
+def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) -> None:
+    fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
+    trials = TRIALS // CHAINS + (1 if chain < TRIALS % CHAINS else 0)
+    base = tmp_path / "fiu"
+    base.mkdir()
+    cfg = {
+        "base": str(base),
+        "trials": trials,
+        "seed": SEED + chain,
+        "probabilities": PROBABILITIES,
+        "trial_timeout_s": 120,
+    }
+    started = time.monotonic()
+    done = subprocess.run(
+        [fiu_run, "-x", sys.executable, str(HERE / "_fiu_worker.py"), json.dumps(cfg)],
+        cwd=HERE,
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120 + 30 * trials,
+    )
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(records) == trials, (
+        f"the worker ended with status {done.returncode} after {len(records)} of {trials} "
+        f"trials: {done.stderr[-4000:]}"
+    )
+    problems = [(r["trial"], r["seed"], p) for r in records for p in r["problems"]]
+    assert not problems, "\n".join(map(str, problems[:10]))
+    errors = Counter(f"{e['where']}: {e['type']}" for r in records for e in r["errors"])
+    faulted = sum(bool(r["errors"]) for r in records)
+    assert faulted > trials // 2, f"only {faulted} of {trials} trials saw an injected error"
+    print(
+        f"\nlibfiu chain {chain}: {trials} trials in {time.monotonic() - started:.0f} s, "
+        f"{faulted} with errors ({sum(errors.values())} raised: {dict(errors.most_common(6))}), "
+        "0 problems"
+    )
