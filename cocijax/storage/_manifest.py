@@ -264,7 +264,7 @@ class Manifest:
                 pieces=pieces,
                 custom_metadata=data.get("custom_metadata"),
             )
-        except (KeyError, TypeError, IndexError) as e:
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
 
 
@@ -346,6 +346,8 @@ def _read_json(path: pathlib.Path) -> Manifest:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointFormatError(f"{path} is not valid JSON: {e}.") from e
+    except (RecursionError, ValueError) as e:  # nesting too deep; an integer of 4300+ digits
+        raise CheckpointFormatError(f"{path} cannot be a cocijax manifest: {e}.") from e
     return Manifest.from_json(data, source=str(path))
 
 
