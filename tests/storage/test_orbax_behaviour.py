@@ -503,7 +503,7 @@ def test_partial_restore_reads_only_the_target_sub_tree_like_orbax(tmp_path):
                 tmp_path / "ckpt",
                 args=cj.StripedRestore({"params": {"v": np.zeros(4)}}, partial=True),
             )
-        with pytest.raises(ValueError, match="partial restore .* needs a target"):
+        with pytest.raises(ValueError, match=r"partial restore .* needs a target"):
             ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(partial=True))
         # Without partial=True an omitted leaf stays an error naming it.
         with pytest.raises(ValueError, match=r"saved but not in the target: \['opt'\]\['mu'\]"):
