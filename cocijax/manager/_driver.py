@@ -155,6 +155,9 @@ class PolicyDriver:
         self.runner = Runner(policy, broadcast=_broadcast_from_process_0)
         self.runner.compile()  # now, so that no training step is charged for it
         self.history = history
+        # A policy that knows the job's length saves its last step: a finished job keeps its
+        # final state (and a rerun of it has nothing left to train).
+        self._final_step = getattr(policy, "total_steps", None)
         self._prior_mtbf_s = prior_mtbf_s
         self._clock = clock
         self._cost_from_intervals = cost_from_intervals
@@ -210,7 +213,8 @@ class PolicyDriver:
             read only at the policy's next check.
 
         Returns:
-          True when the policy says to checkpoint after this step.
+          True when the policy says to checkpoint after this step, or it is the last step of
+          a policy built with ``total_steps``.
         """
         now = self._clock()
         if self._mark is not None:
@@ -234,6 +238,7 @@ class PolicyDriver:
             mtbf_s=self.mtbf_s,
             recovery_s=self.recovery_s,
         )
+        decision = decision or step == self._final_step
         self._saved_last = decision
         self._mark = self._clock()
         return decision
