@@ -218,6 +218,7 @@ class CheckpointManager:
         self._metrics: dict[int, Any] = {}  # committed steps' metrics, read once (best_fn)
         self._unranked_warned = False  # a save without metrics under best_fn is said once
         self._reached_preemption = False
+        self._preempted_step: int | None = None
         self._read_only = options.read_only
         self._policy_warned = False  # a policy state that cannot be continued is said once
         self._async = options.enable_async_checkpointing
@@ -247,7 +248,11 @@ class CheckpointManager:
                 opened_at_age_s=age,
             )
             self._driver = PolicyDriver(
-                policy, clock=clock, history=self._history, prior_mtbf_s=prior
+                policy,
+                clock=clock,
+                history=self._history,
+                prior_mtbf_s=prior,
+                save_final_step=True,
             )
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
@@ -419,6 +424,7 @@ class CheckpointManager:
         if saved or preempted:
             self._save(step, state, loss, extra, metrics, custom_metadata)
         if preempted:
+            self._preempted_step = step  # what the job resumes from: retention keeps it
             self.wait_until_finished()
             self._reached_preemption = True
             log.info("%s: preemption signal: step %d saved and committed", self._directory, step)
@@ -504,6 +510,8 @@ class CheckpointManager:
             if step not in self._metrics:
                 self._metrics[step] = self.orbax.metrics(step)  # from disk: one truth for all
         for step in self._best.to_delete({s: self._metrics[s] for s in steps}):
+            if step == self._preempted_step:
+                continue  # even with keep_latest=0: the job resumes from it
             self.orbax.delete(step)
             self._committed.discard(step)
             del self._metrics[step]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -72,6 +75,24 @@ def test_steps_without_metrics_are_kept_only_as_newest_steps_said_once(tmp_path)
         # Step 1 is the only ranked one; of the unranked, only the newest stays.
         assert mngr.all_steps() == [1, 4]
     assert len([w for w in said if "no metrics" in str(w.message)]) == 1
+
+
+def test_a_preemption_save_is_kept_even_when_no_newest_step_is(tmp_path):
+    with cj.CheckpointManager(
+        tmp_path,
+        policy=cj.policies.fixed(1),
+        best_fn=lambda m: m["acc"],
+        max_to_keep=1,
+        keep_latest=0,
+        preemption_signals=(signal.SIGUSR1,),
+    ) as mngr:
+        for step in (1, 2):
+            mngr.save(step, {"w": jnp.ones(2)}, loss=1.0, metrics={"acc": 0.9 - step / 10})
+        os.kill(os.getpid(), signal.SIGUSR1)
+        mngr.save(3, {"w": jnp.ones(2)}, loss=1.0, metrics={"acc": 0.1})  # the worst
+        assert mngr.reached_preemption
+        assert mngr.all_steps() == [1, 3]  # ranked out, but the job resumes from it
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
 def test_best_fn_that_cannot_read_the_metrics_fails_before_saving(tmp_path):
