@@ -6,7 +6,10 @@ turns, medians of the per-call times):
 
 * ``ocp.CheckpointManager.save`` on steps its ``save_interval_steps`` skips (the baseline);
 * ``cj.CheckpointManager.save`` with ``fixed``, ``young`` and ``coci`` policies, on steps they
-  do not save (policies set up so that none saves during the measurement);
+  do not save (policies set up so that none saves during the measurement), and with ``coci``
+  given ``extra`` (a JSON config's save args, built at every call) and ``metrics`` at every
+  call, as a real loop passes them; for scale, building an ``ocp.args.StandardSave`` of the
+  state (Orbax's constructor walks the tree: build such args once, outside the loop);
 * the loop of the README over a policy alone: ``cj.policies.Runner.update``, and, for
   comparison, ``policy.update`` called directly and branched on (``bool(save)``).
 
@@ -64,6 +67,16 @@ def contenders(root: Path, state) -> dict[str, Callable[[int, jax.Array], object
         out[f"cj.CheckpointManager.save ({name})"] = lambda s, loss, m=mngr: m.save(
             s, state, loss=loss
         )
+    coci = cj.CheckpointManager(root / "coci-extra", policy=policies()["coci"])
+    config = {"lr": 1e-3, "layers": [256, 256]}
+
+    def with_extra(s, loss, m=coci):
+        # What a loop builds at every step: new args objects, a metrics dict.
+        extra = {"config": ocp.args.JsonSave(config)}
+        return m.save(s, state, loss=loss, extra=extra, metrics={"eval_acc": 0.5})
+
+    out["cj.CheckpointManager.save (coci, extra+metrics)"] = with_extra
+    out["ocp.args.StandardSave(state), built"] = lambda s, loss: not ocp.args.StandardSave(state)
     for name, policy in policies().items():
         runner = cj.policies.Runner(policy)
         runner.compile()

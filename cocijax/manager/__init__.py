@@ -6,7 +6,10 @@
 * ``cocijax.torch.CheckpointManager`` (PyTorch, DCP) shares this package's core: the driver
   (``_driver``: measured step time and save cost, the loss read late, the policy fed only at
   its check steps), the job history (``_history``: learned MTBF and recovery time), the
-  directory lock (``_lock``) and the contract and errors (``_contract``) both managers follow.
+  directory lock (``_lock``), best-N retention that keeps the newest steps
+  (``_retention.BestN``), preemption signals turned into one agreed save step
+  (``_preemption.PreemptionWatcher``) and the contract and errors (``_contract``) both managers
+  follow.
 """
 
 from cocijax.manager._checkpoint_manager import CheckpointManager

@@ -1,10 +1,12 @@
 """``CheckpointManager``: a policy decides when to save, the striped handler writes, Orbax manages.
 
-The manager composes an ``ocp.CheckpointManager`` (exposed as ``.orbax``) that holds two items per
-step: ``state`` (the training state, written by :class:`cocijax.StripedCheckpointHandler`) and
-``policy`` (the policy's state and the job's measurements, see ``_policy_item``). Orbax keeps
-doing what it already does well: atomic commit of step directories, asynchronous finalisation,
-``max_to_keep``/``keep_period``/preservation policies. The manager adds what Orbax cannot know:
+The manager composes an ``ocp.CheckpointManager`` (exposed as ``.orbax``) that holds, per step,
+``state`` (the training state, written by :class:`cocijax.StripedCheckpointHandler`), ``policy``
+(the policy's state and the job's measurements, see ``_policy_item``), the step's ``metrics``
+in Orbax's own format when there are any, and the caller's ``extra`` items (any Orbax args:
+JSON, pytrees, a Grain iterator). Orbax keeps doing what it already does well: atomic commit of
+step directories, asynchronous finalisation, ``max_to_keep``/``keep_period``/preservation
+policies. The manager adds what Orbax cannot know:
 
 * **When to save.** ``save`` is called every step; a :mod:`cocijax.policies` policy decides, fed
   by the shared driver (``_driver``) with times it measures itself and the job's failure rate
@@ -12,6 +14,8 @@ doing what it already does well: atomic commit of step directories, asynchronous
 * **Stripes outside the step directory.** With external ``roots`` a step's data lives on other
   file systems, so deleting the step directory is not enough: the stripes no committed step
   references are removed (``_gc``) after each save has finished and at start-up.
+* **Best-N that keeps the newest steps** (``_retention``), and **preemption saves**
+  (``_preemption``): a signal makes the next ``save`` save and wait for the commit.
 
 Orbax is configured to *rename* steps it deletes into ``.cocijax-deleted/`` (its
 ``todelete_subdir`` option) instead of deleting them file by file, so a crash in the middle of a
@@ -21,8 +25,10 @@ deletion never leaves a listed step with half its files; the manager empties tha
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import signal
 import threading
 import time
 import warnings
@@ -42,12 +48,15 @@ from cocijax.manager._contract import (
     check_step_order,
 )
 from cocijax.manager._directory import (
+    METRICS_ITEM,
     POLICY_ITEM,
     STATE_ITEM,
     TRASH_DIR,
+    check_extra,
     check_layout,
     is_committed,
     merge_options,
+    split_best,
 )
 from cocijax.manager._driver import PolicyDriver, stage_loss
 from cocijax.manager._faults import naming, retry_deletions, wait
@@ -55,6 +64,8 @@ from cocijax.manager._gc import collect_garbage
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
+from cocijax.manager._preemption import PreemptionWatcher, check_signals
+from cocijax.manager._retention import BestN, check_metrics
 
 __all__ = ["CheckpointManager"]
 
@@ -88,7 +99,16 @@ class CheckpointManager:
 
     The policy state and these measurements are saved with every checkpoint (item ``policy``)
     and reloaded from the newest step when the manager opens (and from the restored step by
-    :meth:`restore`), so a restarted job continues its schedule.
+    :meth:`restore`), so a restarted job continues its schedule. A policy that knows the job's
+    ``total_steps`` saves the last step, so a finished job keeps its final state; otherwise pass
+    ``force=True`` at the last step.
+
+    **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
+    (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
+    says, waits until it is committed, returns True and sets :attr:`reached_preemption`: leave
+    the loop then. With several processes every one of them takes that save at the same step
+    (JAX's preemption service through Orbax where it is on, else a flag exchange, see
+    ``_preemption``). The previous handlers are back after :meth:`close`.
 
     In a multi-process job every process calls ``save``; the measured values are broadcast from
     process 0 before they reach the policy, so every process takes the same decision. Only the
@@ -99,12 +119,23 @@ class CheckpointManager:
       roots: storage roots the state is striped over. ``None`` (default) keeps the data inside
         each step directory, so Orbax's atomic commit and deletion cover it.
       policy: a :mod:`cocijax.policies` policy; default ``cj.policies.coci()``.
-      max_to_keep: keep at most this many steps (Orbax option).
+      max_to_keep: keep at most this many steps (Orbax option); with ``best_fn``, this many
+        of the best steps.
       keep_period: also keep every step that is a multiple of this (Orbax option).
       preservation_policy: an Orbax preservation policy, instead of the two above.
+      best_fn: ranks a step by its ``metrics`` (a dict -> a number): the ``max_to_keep`` best
+        steps are kept, and the ``keep_latest`` newest ones whatever their metrics (unlike
+        Orbax's ``best_fn``, which may delete the newest step). A step saved without
+        ``metrics`` is not ranked: it is kept only while it is one of the newest. Also
+        accepted as ``options.best_fn``.
+      best_mode: ``"max"`` (default) or ``"min"``: whether larger ``best_fn`` values are better.
+      keep_latest: with ``best_fn``, the newest steps kept whatever their metrics (default 1;
+        0 ranks every step, as Orbax does).
+      preemption_signals: the signals that announce a preemption (default SIGTERM); ``()``
+        turns preemption saves off.
       options: any other ``ocp.CheckpointManagerOptions`` (e.g. ``enable_async_checkpointing``,
         ``read_only``). Options that decide when to save (``save_decision_policy``,
-        ``should_save_fn``, ``save_on_steps``), ``best_fn`` and step naming (``step_prefix``,
+        ``should_save_fn``, ``save_on_steps``) and step naming (``step_prefix``,
         ``step_format_fixed_length``, ``step_name_format``) are not supported.
       handler_options: keyword arguments for :class:`cocijax.StripedCheckpointHandler`.
       prior_mtbf_s: the MTBF the learned estimate starts from; default 24 h divided by
@@ -112,7 +143,10 @@ class CheckpointManager:
       clock: monotonic clock in seconds; injectable for deterministic tests.
 
     Raises:
-      ValueError: ``directory`` holds files or steps cocijax did not write, or options conflict.
+      ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
+        or ``best_mode``/``keep_latest``/``preemption_signals`` are out of range.
+      TypeError: ``best_fn`` is not callable, or ``preemption_signals`` is not a sequence of
+        signals.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
@@ -133,6 +167,10 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         keep_period: int | None = None,
         preservation_policy: Any = None,
+        best_fn: Callable[[Any], Any] | None = None,
+        best_mode: str = "max",
+        keep_latest: int = 1,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
         options: ocp.CheckpointManagerOptions | None = None,
         handler_options: dict[str, Any] | None = None,
         prior_mtbf_s: float | None = None,
@@ -166,6 +204,22 @@ class CheckpointManager:
             keep_period=keep_period,
             preservation_policy=preservation_policy,
         )
+        orbax_options, best = split_best(options, best_fn=best_fn, best_mode=best_mode)
+        self._best = None
+        if best is not None:
+            self._best = BestN(
+                best[0],
+                best_mode=best[1],
+                max_to_keep=options.max_to_keep,
+                keep_latest=keep_latest,
+                keep_period=options.keep_period,
+            )
+        options = orbax_options
+        signals = check_signals(preemption_signals)
+        self._metrics: dict[int, Any] = {}  # committed steps' metrics, read once (best_fn)
+        self._unranked_warned = False  # a save without metrics under best_fn is said once
+        self._reached_preemption = False
+        self._preempted_step: int | None = None
         self._read_only = options.read_only
         self._policy_warned = False  # a policy state that cannot be continued is said once
         self._async = options.enable_async_checkpointing
@@ -195,7 +249,11 @@ class CheckpointManager:
                 opened_at_age_s=age,
             )
             self._driver = PolicyDriver(
-                policy, clock=clock, history=self._history, prior_mtbf_s=prior
+                policy,
+                clock=clock,
+                history=self._history,
+                prior_mtbf_s=prior,
+                save_final_step=True,
             )
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
@@ -226,6 +284,10 @@ class CheckpointManager:
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
+        self._preemption = _watcher(() if self._read_only else signals, self._directory)
+        self._preemption.install()
+        # Processes that exchange flags or ask JAX's service must call `due` at every step.
+        self._poll_preemption = self._preemption.polled
 
     def _release(self) -> None:
         """Releases the lock and the running marker (a clean end: no failure is counted)."""
@@ -266,6 +328,15 @@ class CheckpointManager:
         """The step the last :meth:`restore` returned (useful with ``fallback=True``)."""
         return self._restored_step
 
+    @property
+    def reached_preemption(self) -> bool:
+        """A preemption signal arrived and its step has been saved and committed: stop now."""
+        return self._reached_preemption
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The ``metrics`` saved with ``step`` (``None`` if it was saved without), as Orbax's."""
+        return self.orbax.metrics(step)
+
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first: a save still in flight is not listed."""
         # Orbax lists a step as soon as its save starts; committed means the manifest is there.
@@ -290,27 +361,51 @@ class CheckpointManager:
 
     # -- save -------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, loss: Any, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        loss: Any,
+        force: bool = False,
+        extra: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+        custom_metadata: dict[str, Any] | None = None,
+    ) -> bool:
         """Feeds one completed training step to the policy and saves if it says so.
 
-        A step the policy cannot save at costs a few microseconds: no device sync, no dispatch
-        (measured against Orbax's own ``save`` in ``benchmarks/step_cost_bench.py``).
+        A step the policy cannot save at costs a few microseconds: no device sync, no dispatch,
+        and ``extra``, ``metrics`` and ``custom_metadata`` are not looked at (measured against
+        Orbax's own ``save`` in ``benchmarks/step_cost_bench.py``). They are checked on a step
+        that saves, before anything is written.
 
         Args:
           step: the completed training step (1-based), larger than at the previous call.
           state: the training state pytree (jax/NumPy arrays, scalars, optax/Flax states).
           loss: the step's training loss: a number or a one-element (jax) array; NaN is fine.
-          force: save even if the policy says no. The policy still sees the step but is not
-            told about the forced save (its schedule does not change).
+          force: save even if the policy says no (e.g. the last step of a job whose policy
+            does not know ``total_steps``). The policy still sees the step and the measured
+            cost of the save, but its schedule does not count it.
+          extra: further items of the same step, committed with it: item names to Orbax save
+            args of any type Orbax's handler registry knows (``ocp.args.JsonSave(config)``,
+            ``ocp.args.StandardSave(tree)``, ``grain.checkpoint.CheckpointSave(iterator)``).
+          metrics: scalars recorded with the step (Orbax's ``metrics`` item); ``best_fn``
+            ranks steps by them.
+          custom_metadata: a JSON dict kept in the step's Orbax metadata
+            (``mngr.orbax.metadata(step).custom_metadata``).
 
         Returns:
-          True when a save was started (it completes asynchronously).
+          True when a save was started (it completes asynchronously; a preemption save has
+          completed).
 
         Raises:
           ManagerClosedError: the manager was closed.
           ValueError: ``step`` is not larger than the latest saved step or the previous call's,
-            or the manager was opened read-only.
-          TypeError: ``step`` is not an int, or ``loss`` is not a scalar number or array.
+            the manager was opened read-only, an ``extra`` name is reserved (``state``,
+            ``policy``, ``metrics``), or ``best_fn`` fails on ``metrics``.
+          TypeError: ``step`` is not an int, ``loss`` is not a scalar number or array, an
+            ``extra`` args type is unknown to Orbax (names the key), ``metrics`` holds a
+            non-scalar, or ``custom_metadata`` is not a JSON dict.
         """
         self._check_open()
         if self._read_only:
@@ -323,17 +418,39 @@ class CheckpointManager:
         previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
         self._pending_loss = loss
         saved = self._driver.decide(step, loss=previous_loss) or force
-        if saved:
-            self._save(step, state, loss)
-        return saved
+        # One attribute test per step, unless the processes must poll together at every step.
+        preempted = (self._poll_preemption or self._preemption.signal is not None) and (
+            self._preemption.due(step, self._driver.step_time_s)
+        )
+        if saved or preempted:
+            self._save(step, state, loss, extra, metrics, custom_metadata)
+        if preempted:
+            self._preempted_step = step  # what the job resumes from: retention keeps it
+            self.wait_until_finished()
+            self._reached_preemption = True
+            log.info("%s: preemption signal: step %d saved and committed", self._directory, step)
+        return saved or preempted
 
-    def _save(self, step: int, state: Any, loss: Any) -> None:
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        loss: Any,
+        extra: Any,
+        metrics: Any,
+        custom_metadata: Any,
+    ) -> None:
         # Wait for the step's own computation first: that is training time, not checkpoint cost.
         jax.block_until_ready(state)
-        # Reject unsupported leaves before Orbax starts its background threads: an error raised
-        # inside the handler's async_save leaves Orbax threads waiting up to 300 s for signals
-        # that never come, which also blocks interpreter exit.
+        # Reject unsupported leaves and bad items before Orbax starts its background threads:
+        # an error raised inside the handler's async_save leaves Orbax threads waiting up to
+        # 300 s for signals that never come, which also blocks interpreter exit.
         storage.check_tree(state)
+        items = check_extra(extra, restoring=False)
+        metrics = self._check_metrics(step, metrics)
+        if metrics is not None:
+            items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
+        custom_metadata = _check_custom_metadata(custom_metadata)
         snapshot = self._driver.snapshot(loss)
         # The policy item's commit future writes once the cost is measured (see _policy_item);
         # it is released whatever happens here, so that no future waits for ever.
@@ -342,6 +459,7 @@ class CheckpointManager:
             with self._driver.saving() as measured:
                 self._wait()  # a still-running save is a real stall: timed
                 with naming(self._step_dir(step), self._paths):
+                    self._apply_retention()
                     self._collect_garbage()
                     self._clear_uncommitted(step)
                 if not self._async:
@@ -358,13 +476,48 @@ class CheckpointManager:
                     self.orbax.save(
                         step,
                         args=ocp.args.Composite(
-                            **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item}
+                            **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
                         ),
+                        custom_metadata=custom_metadata,
                         force=True,
                     )
                 self._latest_saved = step
         finally:
             ready.set()
+
+    def _check_metrics(self, step: int, metrics: Any) -> dict[str, Any] | None:
+        """``metrics`` as JSON scalars, checked against ``best_fn`` (said once when missing)."""
+        metrics = check_metrics(metrics)
+        if self._best is None:
+            return metrics
+        if metrics is None:
+            if not self._unranked_warned:
+                self._unranked_warned = True
+                warnings.warn(
+                    f"save: step {step} has no metrics, so best_fn cannot rank it; it is kept "
+                    f"only while it is one of the newest keep_latest={self._best.keep_latest} "
+                    "steps (said once per manager; pass metrics= with the saves to rank them).",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        else:
+            self._best.score(metrics, step=step)  # a best_fn that fails does so before the save
+        return metrics
+
+    def _apply_retention(self) -> None:
+        """Deletes the committed steps best-N does not keep (every process, same decision)."""
+        if self._best is None or self._read_only:
+            return
+        steps = self.all_steps()
+        for step in steps:
+            if step not in self._metrics:
+                self._metrics[step] = self.orbax.metrics(step)  # from disk: one truth for all
+        for step in self._best.to_delete({s: self._metrics[s] for s in steps}):
+            if step == self._preempted_step:
+                continue  # even with keep_latest=0: the job resumes from it
+            self.orbax.delete(step)
+            self._committed.discard(step)
+            del self._metrics[step]
 
     def _clear_uncommitted(self, step: int) -> None:
         """Moves an unlisted (manifest-less) directory of ``step`` to the trash before reuse."""
@@ -398,7 +551,15 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, fallback: bool = False):
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        fallback: bool = False,
+        extra: dict[str, Any] | None = None,
+        partial: bool = False,
+    ):
         """Restores a step's state and continues the policy schedule from that step.
 
         Args:
@@ -407,17 +568,33 @@ class CheckpointManager:
             the structure, dtypes and placement; None restores as saved.
           fallback: if the step is damaged, restore the newest older step that is intact
             instead (a warning names each step skipped; see :attr:`restored_step`).
+          extra: items saved with ``save(extra=...)`` to restore too: names to Orbax restore
+            args (``ocp.args.JsonRestore()``, ``grain.checkpoint.CheckpointRestore(iterator)``).
+          partial: ``target`` may be any sub-tree of the saved state (e.g. only the
+            parameters); the leaves it omits are not read.
 
         Returns:
-          The restored state.
+          The restored state; ``(state, extra)`` when ``extra`` is given, ``extra`` a dict of
+          the restored items by name.
 
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: no such committed step (the message lists the available ones).
+          KeyError: an ``extra`` item was not saved with the step (Orbax's error, listing the
+            step's items).
+          ValueError: ``target`` does not match the saved tree (names the leaf; with
+            ``partial``, a target leaf that was never saved), ``partial`` without a target,
+            or a reserved ``extra`` name.
+          TypeError: an ``extra`` args type is unknown to Orbax (names the key).
           cocijax.storage.CorruptCheckpointError: the step is damaged (and ``fallback`` is
             False or no intact older step exists).
         """
         self._check_open()
+        items = check_extra(extra, restoring=True)
+        if partial and target is None:
+            raise ValueError(
+                "restore: partial=True needs a target, the sub-tree of the saved state to read."
+            )
         steps = self.all_steps()
         if step is None:
             if not steps:
@@ -434,7 +611,9 @@ class CheckpointManager:
             try:
                 restored = self.orbax.restore(
                     candidate,
-                    args=ocp.args.Composite(**{STATE_ITEM: storage.StripedRestore(target)}),
+                    args=ocp.args.Composite(
+                        **{STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
+                    ),
                 )
             except (storage.CorruptCheckpointError, storage.CheckpointFormatError) as e:
                 if not fallback or candidate == candidates[-1]:
@@ -453,7 +632,9 @@ class CheckpointManager:
             self._pending_loss = None
             self._driver.restart_timing()
             self._history.restored()
-            return restored[STATE_ITEM]
+            if extra is None:
+                return restored[STATE_ITEM]
+            return restored[STATE_ITEM], {name: restored[name] for name in items}
         raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _load_policy(self, step: int, *, history: bool = False) -> None:
@@ -517,6 +698,7 @@ class CheckpointManager:
         self._check_open()
         self._wait()
         with naming(self._directory, self._paths):
+            self._apply_retention()
             self._collect_garbage()
 
     def close(self) -> None:
@@ -526,6 +708,7 @@ class CheckpointManager:
         try:
             self._wait()  # re-raises a failed save: close all the same
             with naming(self._directory, self._paths):
+                self._apply_retention()
                 self._collect_garbage()
         finally:
             with naming(self._directory, self._paths):
@@ -533,6 +716,7 @@ class CheckpointManager:
                     self.orbax.close()
                 finally:
                     self._closed = True
+                    self._preemption.uninstall()
                     self._release()
 
     def _check_open(self) -> None:
@@ -554,3 +738,32 @@ class CheckpointManager:
                 self._lock.release()
         except Exception:
             pass
+
+
+def _watcher(signals: tuple[signal.Signals, ...], directory: Path) -> PreemptionWatcher:
+    """The preemption watcher of a JAX job: flags exchanged, or JAX's service, across processes."""
+    allgather = service = None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        allgather = multihost_utils.process_allgather
+        if jax.config.jax_enable_preemption_service:
+            service = ocp.multihost.reached_preemption
+    return PreemptionWatcher(signals, owner=str(directory), allgather=allgather, service=service)
+
+
+def _check_custom_metadata(custom_metadata: Any) -> dict[str, Any] | None:
+    """``custom_metadata`` as Orbax keeps it: a dict with string keys that JSON can write."""
+    if custom_metadata is None:
+        return None
+    if not isinstance(custom_metadata, dict) or not all(
+        isinstance(k, str) for k in custom_metadata
+    ):
+        raise TypeError(
+            f"custom_metadata: expected a dict with string keys, got {custom_metadata!r:.80}."
+        )
+    try:
+        json.dumps(custom_metadata)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"custom_metadata: must be JSON-serialisable ({e}).") from e
+    return custom_metadata

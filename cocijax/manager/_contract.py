@@ -14,7 +14,14 @@ every training step and a policy decides. Both raise the same errors for the sam
   elements);
 * a step that is not a committed checkpoint, in ``restore``: ``FileNotFoundError`` listing the
   committed steps;
-* a directory holding something the manager did not write: ``ValueError`` naming the entry.
+* a directory holding something the manager did not write: ``ValueError`` naming the entry;
+* an ``extra`` item the manager cannot save (JAX: an args type Orbax does not know; PyTorch: an
+  object without ``state_dict``): ``TypeError`` naming the key; a reserved item name:
+  ``ValueError``.
+
+Both keep the best steps by ``metrics`` with :class:`cocijax.manager._retention.BestN` (the
+newest ``keep_latest`` steps are never dropped) and turn preemption signals into one save with
+:class:`cocijax.manager._preemption.PreemptionWatcher`.
 """
 
 from __future__ import annotations
@@ -130,16 +137,40 @@ class ManagerProtocol(Protocol):
         """The inputs of the policy's last decision."""
         ...
 
-    def save(self, step: int, state: Any, *, loss: Any, force: bool = False) -> bool:
+    @property
+    def reached_preemption(self) -> bool:
+        """A preemption signal arrived and its step was saved and committed: stop training."""
+        ...
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        loss: Any,
+        force: bool = False,
+        extra: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> bool:
         """Feeds one completed training step to the policy; saves when it says so (or ``force``).
+
+        After a preemption signal the next call saves whatever the policy says, waits for the
+        commit and sets :attr:`reached_preemption`. ``extra`` (further items of the step) and
+        ``metrics`` (scalars ranked by ``best_fn``) are only looked at on a step that saves.
 
         Returns:
           True when this step is being saved.
         """
         ...
 
-    def restore(self, step: int | None = None, target: Any = None) -> Any:
-        """Restores ``step`` (default: the latest) and continues the policy schedule from it."""
+    def restore(
+        self, step: int | None = None, target: Any = None, *, extra: dict[str, Any] | None = None
+    ) -> Any:
+        """Restores ``step`` (default: the latest) and continues the policy schedule from it.
+
+        Returns:
+          The state; ``(state, extra)`` when ``extra`` (the items to restore) is given.
+        """
         ...
 
     def all_steps(self) -> list[int]:

@@ -1,7 +1,8 @@
-"""The checkpoint directory of :class:`cocijax.CheckpointManager`: layout, listing, options.
+"""The checkpoint directory of :class:`cocijax.CheckpointManager`: layout, items, options.
 
 What a cocijax directory may hold: step directories (``<step>/state`` written by the striped
-handler, ``<step>/policy`` the policy state), Orbax's temporary directories, the trash Orbax
+handler, ``<step>/policy`` the policy state, ``<step>/metrics`` the step's metrics in Orbax's
+own format, and the user's extra items), Orbax's temporary directories, the trash Orbax
 renames dropped steps into, the writer's lock file, and (when the directory is also a storage
 root) its hidden stripe folder. A step is *committed* when its ``state`` manifest is present
 and valid.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,26 @@ from cocijax import storage
 from cocijax.manager._durable import DurableRenameTemporaryPath
 
 __all__ = [
+    "METRICS_ITEM",
     "POLICY_ITEM",
+    "RESERVED_ITEMS",
     "STATE_ITEM",
     "STEP_RE",
     "TRASH_DIR",
     "CommittedStepFormat",
+    "check_extra",
     "check_layout",
     "is_committed",
     "merge_options",
+    "split_best",
 ]
 
 STATE_ITEM = "state"
 POLICY_ITEM = "policy"
+# Orbax's CheckpointManager keeps a step's metrics in this item (a JSON file named so), which
+# its ``metrics(step)`` and ``metadata(step).metrics`` read.
+METRICS_ITEM = "metrics"
+RESERVED_ITEMS = (STATE_ITEM, POLICY_ITEM, METRICS_ITEM)
 TRASH_DIR = ".cocijax-deleted"
 STEP_RE = re.compile(r"^\d+$")
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -114,7 +123,6 @@ def merge_options(
         "save_decision_policy",
         "should_save_fn",
         "step_name_format",
-        "best_fn",
         "step_prefix",
         "step_format_fixed_length",
         "save_on_steps",
@@ -135,3 +143,108 @@ def merge_options(
         todelete_subdir=TRASH_DIR,
         create=not options.read_only,
     )
+
+
+def split_best(
+    options: ocp.CheckpointManagerOptions,
+    *,
+    best_fn: Callable[[Mapping[str, Any]], Any] | None,
+    best_mode: str,
+) -> tuple[ocp.CheckpointManagerOptions, tuple[Any, str] | None]:
+    """Takes best-N retention out of Orbax's options: cocijax keeps the newest steps itself.
+
+    Orbax's ``best_fn`` ranks the newest step too and deletes it when it scores worse
+    (google/orbax#526). With a ``best_fn`` (the keyword, or ``options.best_fn``), Orbax is left
+    without ``best_fn``, ``max_to_keep`` and ``keep_period``, and the manager applies them
+    (``_retention.BestN``).
+
+    Returns:
+      The options for Orbax, and ``(best_fn, best_mode)`` or ``None``.
+
+    Raises:
+      ValueError: ``best_fn`` or ``best_mode`` given twice with different values, or a
+        ``preservation_policy`` beside a ``best_fn``.
+    """
+    if options.best_fn is not None:
+        if best_fn is not None and best_fn is not options.best_fn:
+            raise ValueError("best_fn: given as an argument and in options; give it once.")
+        if best_mode != "max" and best_mode != options.best_mode:
+            raise ValueError(
+                f"best_mode: given as {best_mode!r} and as {options.best_mode!r} in options; "
+                "give it once."
+            )
+        best_fn, best_mode = options.best_fn, options.best_mode
+    if best_fn is None:
+        return options, None
+    if options.preservation_policy is not None:
+        raise ValueError(
+            "preservation_policy: cannot be combined with best_fn (the manager keeps the best "
+            "max_to_keep steps and the newest keep_latest ones); give one of them."
+        )
+    options = dataclasses.replace(options, best_fn=None, max_to_keep=None, keep_period=None)
+    return options, (best_fn, best_mode)
+
+
+def check_extra(extra: Any, *, restoring: bool) -> dict[str, ocp.args.CheckpointArgs]:
+    """Checks the ``extra`` items of a ``save`` or ``restore`` call, before anything is written.
+
+    Args:
+      extra: ``None`` or a mapping from item names to Orbax ``CheckpointArgs`` whose type
+        Orbax's global handler registry knows (``ocp.args.JsonSave``, ``StandardSave``,
+        ``PyTreeSave``, ``grain.checkpoint.CheckpointSave``, ...).
+      restoring: the args are restore args (``JsonRestore``, ...), not save args.
+
+    Returns:
+      The items as a new dict (empty for ``None``).
+
+    Raises:
+      TypeError: ``extra`` is not a mapping, a name is not a string, or an item's args type is
+        not registered with a handler or goes the wrong way (the message names the key).
+      ValueError: a name is reserved (``state``, ``policy``, ``metrics``) or cannot be a
+        directory name.
+    """
+    if extra is None:
+        return {}
+    verb = "restore" if restoring else "save"
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"extra: expected a dict of item names to Orbax CheckpointArgs (e.g. "
+            f"{{'config': ocp.args.Json{verb.title()}(...)}}), got {type(extra).__name__}."
+        )
+    items = {}
+    for name, args in extra.items():
+        if not isinstance(name, str):
+            raise TypeError(f"extra: item names must be strings, got {name!r}.")
+        if name in RESERVED_ITEMS:
+            raise ValueError(
+                f"extra[{name!r}]: the name is reserved for the manager's own items "
+                f"({', '.join(RESERVED_ITEMS)}); choose another."
+            )
+        if not name or name.startswith(".") or "/" in name or TMP_MARK in name:
+            raise ValueError(
+                f"extra[{name!r}]: an item name becomes a directory inside the step: it must "
+                "be non-empty, without '/' and not start with '.'."
+            )
+        try:
+            handler = ocp.args.get_registered_handler_cls(args)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"extra[{name!r}]: {type(args).__name__} is not an Orbax CheckpointArgs type "
+                f"that Orbax's handler registry knows; pass e.g. ocp.args.Json{verb.title()}, "
+                f"ocp.args.Standard{verb.title()} or grain.checkpoint.Checkpoint"
+                f"{verb.title()}, or register your type with ocp.args.register_with_handler."
+            ) from None
+        try:
+            wanted, other = ocp.args.get_registered_args_cls(handler)
+        except ValueError:  # a handler registered for one direction only: nothing to compare
+            wanted = other = type(args)
+        if restoring:
+            wanted, other = other, wanted
+        if isinstance(args, other) and not isinstance(args, wanted):
+            raise TypeError(
+                f"extra[{name!r}]: {type(args).__name__} is an args type for "
+                f"{'saving' if restoring else 'restoring'}; {verb} takes "
+                f"{wanted.__name__} for this handler."
+            )
+        items[name] = args
+    return items

@@ -131,6 +131,9 @@ class PolicyDriver:
       prior_mtbf_s: the MTBF the history's estimate starts from (see ``RunHistory.mtbf_s``).
       cost_from_intervals: the caller cannot time its saves: the interval after a "save"
         decision is split into the step time known so far and the save's cost.
+      save_final_step: with a policy that knows the job's length (``policy.total_steps``),
+        decide "save" at that step whatever the policy says, so that a finished job keeps its
+        final state.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -149,12 +152,15 @@ class PolicyDriver:
         history: RunHistory | None = None,
         prior_mtbf_s: float = math.nan,
         cost_from_intervals: bool = False,
+        save_final_step: bool = False,
     ):
         check_policy(policy)
         self.policy = policy
         self.runner = Runner(policy, broadcast=_broadcast_from_process_0)
         self.runner.compile()  # now, so that no training step is charged for it
         self.history = history
+        # A finished job keeps its final state (and a rerun of it has nothing left to train).
+        self._final_step = getattr(policy, "total_steps", None) if save_final_step else None
         self._prior_mtbf_s = prior_mtbf_s
         self._clock = clock
         self._cost_from_intervals = cost_from_intervals
@@ -210,7 +216,8 @@ class PolicyDriver:
             read only at the policy's next check.
 
         Returns:
-          True when the policy says to checkpoint after this step.
+          True when the policy says to checkpoint after this step, or it is the final step
+          (``save_final_step``).
         """
         now = self._clock()
         if self._mark is not None:
@@ -234,6 +241,7 @@ class PolicyDriver:
             mtbf_s=self.mtbf_s,
             recovery_s=self.recovery_s,
         )
+        decision = decision or step == self._final_step
         self._saved_last = decision
         self._mark = self._clock()
         return decision

@@ -76,7 +76,10 @@ class SaveDecisionPolicy:
         if not isinstance(metric, str):
             raise TypeError(f"metric: expected a str key, got {type(metric).__name__}.")
         self._driver = PolicyDriver(
-            policies.coci() if policy is None else policy, clock=clock, cost_from_intervals=True
+            policies.coci() if policy is None else policy,
+            clock=clock,
+            cost_from_intervals=True,
+            save_final_step=True,
         )
         self._metric = metric
         self._observed: Any = None

@@ -99,6 +99,9 @@ class Policy(NamedTuple):
 
     init: InitFn
     update: UpdateFn
+    # The job's planned number of steps when the policy knows it (``coci(total_steps=...)``):
+    # the managers then save that last step, so that a finished job keeps its final state.
+    total_steps: int | None = None
 
 
 class Seen(NamedTuple):
@@ -112,11 +115,17 @@ class Seen(NamedTuple):
     recovery_s: Any
 
 
-def make_policy(init: InitFn, rule: Callable[[PolicyState, Seen], tuple[Any, Any]]) -> Policy:
+def make_policy(
+    init: InitFn,
+    rule: Callable[[PolicyState, Seen], tuple[Any, Any]],
+    *,
+    total_steps: int | None = None,
+) -> Policy:
     """A :class:`Policy` from ``init`` and ``rule(state, seen) -> (save, state)``.
 
     The ``update`` it returns has the keyword signature of :class:`UpdateFn` and is jitted once,
     so that eager calls cost one dispatch; inside another ``jit`` (``plan``'s scan) it is inlined.
+    ``total_steps`` is recorded on the policy (see :class:`Policy`).
     """
 
     def update(
@@ -131,7 +140,7 @@ def make_policy(init: InitFn, rule: Callable[[PolicyState, Seen], tuple[Any, Any
     ):
         return rule(state, Seen(step, loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s))
 
-    return Policy(init, jax.jit(update))
+    return Policy(init, jax.jit(update), total_steps)
 
 
 class Clock(NamedTuple):

@@ -95,7 +95,8 @@ def coci(
       time_weight: weight of a plain lost second, in ``[0, 1]``; 1 reduces to a time-based
         (Young/Daly-like, but exact) rule.
       total_steps: planned number of steps, when known; sharpens the forecast and lets the
-        last save be skipped when it cannot pay off.
+        last save be skipped when it cannot pay off. The managers also save step
+        ``total_steps`` itself, so that a finished job keeps its final state.
       prior_mtbf_s: MTBF assumed before one is measured; default 24 h divided by
         ``jax.device_count()``.
       prior_recovery_s: recovery time assumed before one is measured.
@@ -282,7 +283,7 @@ def coci(
             rollback=rollback,
         )
 
-    return _base.make_policy(init, rule)
+    return _base.make_policy(init, rule, total_steps=total_steps)
 
 
 def _track(state: CociState, loss, is_new, alpha, span):

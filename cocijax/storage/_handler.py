@@ -344,9 +344,10 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the manifest is missing or invalid.
           ValueError: the target's structure, shapes or dtypes differ from the saved tree
-            (names the leaf), a 64-bit leaf would be narrowed on the sharding the target asks
-            for (``jax_enable_x64`` off), ``roots`` has the wrong length, or ``args`` belong
-            to another handler.
+            (names the leaf; with ``partial``, a target leaf that was never saved), a 64-bit
+            leaf would be narrowed on the sharding the target asks for (``jax_enable_x64``
+            off), ``roots`` has the wrong length, ``partial`` has no target, or ``args``
+            belong to another handler.
           CorruptCheckpointError: a piece is missing, truncated or fails its checksum (names
             the leaf and the file).
         """
@@ -359,6 +360,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             verify=self._checksums,
             io_pool=self._io_pool,
             roots=args.roots,
+            partial=args.partial,
         )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
@@ -461,7 +463,22 @@ class StripedRestore(checkpoint_args.CheckpointArgs):
         returns (as saved).
       roots: where the stripes are now, one directory per root recorded at save time (in the
         same order), when they were moved; ``None`` reads the recorded roots.
+      partial: the target (required) may be any sub-tree of the saved tree, e.g. only
+        ``{"params": ...}`` of a saved ``{"params": ..., "opt_state": ...}``: leaves it omits
+        are not read, and the result has the target's structure (Orbax's
+        ``PyTreeRestore(partial_restore=True)``). A target leaf that was never saved still
+        raises ``ValueError`` naming it. Without ``partial``, an omitted leaf is an error
+        (skip single leaves with ``ocp.PLACEHOLDER``).
+
+    Example:
+      >>> import tempfile, numpy as np, orbax.checkpoint as ocp
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+      >>> with ocp.Checkpointer(StripedCheckpointHandler()) as ckptr:
+      ...     ckptr.save(path, args=StripedSave({"params": np.ones(2), "opt": np.zeros(9)}))
+      ...     ckptr.restore(path, args=StripedRestore({"params": np.empty(2)}, partial=True))
+      {'params': array([1., 1.])}
     """
 
     item: Any = None
     roots: Sequence[os.PathLike | str | None] | None = None
+    partial: bool = False

@@ -40,26 +40,34 @@ def restore_tree(
     verify: bool,
     io_pool: concurrent.futures.Executor | None = None,
     roots: Sequence[os.PathLike | str | None] | None = None,
+    partial: bool = False,
 ) -> Any:
     """Restores the item in ``directory`` into ``target`` (see ``StripedCheckpointHandler``).
 
-    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``).
+    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``). With ``partial`` the
+    target may omit saved leaves: those are not read.
 
     Raises:
       CheckpointFormatError: the manifest is missing or invalid.
-      ValueError: the target's structure, shapes or dtypes differ (names the leaf).
+      ValueError: the target's structure, shapes or dtypes differ (names the leaf), or
+        ``partial`` is asked without a target.
       CorruptCheckpointError: a piece is missing or corrupt (names the leaf and the file).
     """
     manifest = _manifest.read_manifest(directory).with_roots(roots)
     if isinstance(target, tree_metadata.TreeMetadata):
         target = target.tree  # what ``metadata()`` returned: restore as saved
     places = _Placements()
+    if partial and target is None:
+        raise ValueError(
+            f"partial restore of {directory} needs a target: the sub-tree of the saved tree "
+            "to read (pass StripedRestore(target, partial=True))."
+        )
     if target is None:
         targets: list[Any] = [_NO_TARGET] * len(manifest.leaves)
         treedef = order = None
     else:
         flat, treedef = _tree.flatten(target)
-        targets, order = _match(manifest, flat, directory)
+        targets, order = _match(manifest, flat, directory, partial=partial)
     reader = _read.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
@@ -120,17 +128,19 @@ class _Kept:
 
 
 def _match(
-    manifest: Manifest, flat: list[tuple[Any, Any]], directory: pathlib.Path
+    manifest: Manifest, flat: list[tuple[Any, Any]], directory: pathlib.Path, *, partial: bool
 ) -> tuple[list[Any], list[int | _Kept]]:
     """Pairs the target's leaves with the saved ones by key path (dict keys and attributes alike).
+
+    With ``partial``, a saved leaf the target lacks gets ``ocp.PLACEHOLDER`` (it is not read).
 
     Returns:
       Per saved leaf, its target leaf; per target leaf in flattening order, the index of its
       saved leaf (or a :class:`_Kept`).
 
     Raises:
-      ValueError: a saved leaf is missing from the target, or the target has a leaf that was
-        not saved (both lists are named).
+      ValueError: the target has a leaf that was not saved, or (without ``partial``) a saved
+        leaf is missing from the target (both lists are named).
     """
     index: dict[tuple[Any, ...], int] = {}
     for i, leaf in enumerate(manifest.leaves):
@@ -151,6 +161,17 @@ def _match(
     missing = [
         leaf.path for leaf, t in zip(manifest.leaves, targets, strict=True) if t is _UNMATCHED
     ]
+    if partial and not extra:
+        # Omitted leaves are planned like placeholders: not read, and not in the result (the
+        # result is built from the target's own structure).
+        return [ocp.PLACEHOLDER if t is _UNMATCHED else t for t in targets], order
+    if partial:
+        raise ValueError(
+            f"Partial restore of {directory}: the target has leaves that were never saved: "
+            f"{', '.join(extra)}; a partial target must be a sub-tree of the saved tree "
+            f"(saved leaves: {', '.join(leaf.path for leaf in manifest.leaves[:8])}"
+            f"{', ...' if len(manifest.leaves) > 8 else ''})."
+        )
     if missing or extra:
         raise ValueError(
             f"User-provided restore item and on-disk value in {directory} differ: leaves saved "

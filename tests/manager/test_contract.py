@@ -13,6 +13,9 @@ def _jax_manager(path):
 
 def _torch_manager(path):
     cjt = pytest.importorskip("cocijax.torch")
+    if not hasattr(cjt.CheckpointManager, "reached_preemption"):
+        # The contract grew with issue 10; the PyTorch half lands in cocijax/torch.py apart.
+        pytest.skip("cocijax.torch.CheckpointManager does not have issue 10's members yet")
     return cjt.CheckpointManager(path, policy=cj.policies.fixed(2))
 
 

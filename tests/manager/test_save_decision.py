@@ -37,6 +37,18 @@ def test_drives_a_plain_orbax_manager(tmp_path):
         assert list(mngr.all_steps()) == [3, 6, 9]
 
 
+def test_a_plain_orbax_manager_saves_the_last_step_of_a_known_length_job(tmp_path):
+    coci = cj.policies.coci(mtbf_s=1e8, recovery_s=0.0, total_steps=12, cost_prior_s=1.0)
+    sdp = cj.SaveDecisionPolicy(coci)
+    options = ocp.CheckpointManagerOptions(save_decision_policy=sdp)
+    with ocp.CheckpointManager(tmp_path / "ck", options=options) as mngr:
+        for step in range(1, 13):
+            sdp.observe(1.0 / step)
+            mngr.save(step, args=ocp.args.StandardSave({"x": np.full(3, step)}))
+        mngr.wait_until_finished()
+        assert list(mngr.all_steps()) == [12]  # an MTBF of years: only the final model
+
+
 def test_measures_times_and_splits_off_the_save_cost():
     clock = FakeClock()
     sdp = cj.SaveDecisionPolicy(recording(2), clock=clock)

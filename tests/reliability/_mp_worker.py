@@ -12,6 +12,10 @@
 * ``"restore"``: restores the newest step with a target sharded over this run's devices (one
   process or several) and compares every addressable shard with ``reference.npz``; writes
   ``<out>/restore_<n>_<i>.json``.
+* ``"preempt"``: trains with a policy that never saves, with JAX's preemption service on or off
+  (``cfg["service"]``), touches ``<out>/ready_<i>`` once it is under way, and stops when the
+  manager has taken its preemption save (the test sends SIGTERM to one process); writes
+  ``<out>/preempt_<i>.json`` with that step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def _init_distributed(cfg: dict[str, Any]) -> None:
     if cfg["num_processes"] > 1:
         # CPU collectives: without gloo, cross-process computations fail on the CPU backend.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's preemption service (on by default) is set up by initialize().
+        jax.config.update("jax_enable_preemption_service", cfg.get("service", True))
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{cfg['port']}",
             num_processes=cfg["num_processes"],
@@ -198,11 +204,33 @@ def restore(cfg: dict[str, Any]) -> None:
     out.write_text(json.dumps(record))
 
 
+def preempt(cfg: dict[str, Any]) -> None:
+    import numpy as np
+
+    import cocijax as cj
+
+    me = cfg["process_id"]
+    state = {"w": np.arange(8.0)}
+    record: dict[str, Any] = {"preempted_at": None}
+    with cj.CheckpointManager(cfg["directory"], policy=cj.policies.fixed(10**9)) as mngr:
+        for step in range(1, cfg["steps"] + 1):
+            time.sleep(0.002 * (1 + me))  # different step times: the processes drift apart
+            state = {"w": state["w"] + 1.0}
+            saved = mngr.save(step, state, loss=1.0)
+            if step == 20:
+                (Path(cfg["out"]) / f"ready_{me}").touch()
+            if mngr.reached_preemption:
+                record = {"preempted_at": step, "saved": saved}
+                break
+        record["steps"] = mngr.all_steps()
+    (Path(cfg["out"]) / f"preempt_{me}.json").write_text(json.dumps(record))
+
+
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _init_distributed(cfg)
-    {"save": save, "restore": restore}[cfg["mode"]](cfg)
+    {"save": save, "restore": restore, "preempt": preempt}[cfg["mode"]](cfg)
     return 0
 
 

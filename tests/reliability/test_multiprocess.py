@@ -5,14 +5,19 @@ two simulated devices each, one 4-device mesh). The test then checks, from the f
 records the processes left: every process took the same save decisions although each fed the
 manager different losses and step times; each process opened only the pieces of the shards it
 owns (replica 0) and together they wrote every piece; and the newest step restores equal to the
-gathered original in one process (1 and 4 devices) and in two processes.
+gathered original in one process (1 and 4 devices) and in two processes. A SIGTERM sent to one
+process makes both take the preemption save at the same step, with JAX's preemption service and
+without it.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +27,17 @@ from reliability_helpers import HERE, child_env, free_port, item_dir, pieces
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-multiprocess")]
 
 
-def _launch(cfg: dict[str, Any], n: int, devices: int, timeout: float = 240.0) -> None:
-    """Runs ``n`` workers (process ids 0..n-1) together; fails with their stderr if any fails."""
+def _launch(
+    cfg: dict[str, Any],
+    n: int,
+    devices: int,
+    timeout: float = 240.0,
+    while_running: Callable[[list[subprocess.Popen]], None] | None = None,
+) -> None:
+    """Runs ``n`` workers (process ids 0..n-1) together; fails with their stderr if any fails.
+
+    ``while_running`` is called with the processes once they are started.
+    """
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -41,6 +55,8 @@ def _launch(cfg: dict[str, Any], n: int, devices: int, timeout: float = 240.0) -
     ]
     errors = []
     try:
+        if while_running is not None:
+            while_running(procs)
         for i, p in enumerate(procs):
             _, err = p.communicate(timeout=timeout)
             if p.returncode != 0:
@@ -108,3 +124,27 @@ def test_two_processes_save_shards_and_restore_anywhere(tmp_path: Path) -> None:
             assert rec["mismatches"] == [], (n, devices, rec)
             assert rec["devices"] == n * devices
             assert rec["shards"] >= rec["leaves"]
+
+
+@pytest.mark.parametrize("service", [True, False], ids=["jax-preemption-service", "flag-exchange"])
+def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path: Path, service) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"directory": str(tmp_path / "ckpt"), "out": str(out), "steps": 20_000}
+    cfg.update(roots=None, service=service, mode="preempt")
+
+    def preempt_process_1(procs: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + 120
+        while not all((out / f"ready_{i}").exists() for i in range(2)):
+            assert all(p.poll() is None for p in procs), "a worker ended before it was ready"
+            assert time.monotonic() < deadline, "the workers never got under way"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)  # process 0 gets nothing
+
+    _launch(cfg, n=2, devices=1, while_running=preempt_process_1)
+    records = [json.loads((out / f"preempt_{i}.json").read_text()) for i in range(2)]
+    step = records[0]["preempted_at"]
+    assert step is not None and step > 20, records
+    assert records[1]["preempted_at"] == step
+    assert records[0]["saved"] and records[1]["saved"]
+    assert records[0]["steps"] == records[1]["steps"] == [step]

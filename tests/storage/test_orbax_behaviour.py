@@ -5,6 +5,7 @@ compare what comes back: types, dtypes, shardings and values (issue 16, items 2-
 """
 
 import json
+import shutil
 
 import chex
 import flax.struct
@@ -474,3 +475,36 @@ def test_placeholder_leaves_are_not_read(tmp_path):
         _restore(tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"saved but not in the target: \['opt'\]\['mu'\]"):
         _restore(tmp_path / "ckpt", {"params": np.zeros(4), "opt": ocp.PLACEHOLDER})
+
+
+def test_partial_restore_reads_only_the_target_sub_tree_like_orbax(tmp_path):
+    tree = {"params": {"w": np.arange(4.0), "b": 3}, "opt": {"mu": np.ones(300_000, np.float32)}}
+    with ocp.Checkpointer(cj.StripedCheckpointHandler(small_bytes=1024)) as ckptr:
+        ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(tree))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        ckptr.save(tmp_path / "orbax", args=ocp.args.PyTreeSave(tree))
+    target = {"params": {"w": np.zeros(4), "b": 0}}
+    # Orbax's own partial restore gives the target's structure with the saved values.
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        orbax = ckptr.restore(
+            tmp_path / "orbax", args=ocp.args.PyTreeRestore(target, partial_restore=True)
+        )
+    # The omitted leaf's piece is gone: a partial restore must never read it.
+    m = cj.storage.read_manifest(tmp_path / "ckpt")
+    (mu,) = [p for p in m.pieces if m.leaves[p.leaf].path == "['opt']['mu']"]
+    shutil.rmtree(m.piece_path(mu, tmp_path / "ckpt"))
+    with ocp.Checkpointer(cj.StripedCheckpointHandler()) as ckptr:
+        ours = ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(target, partial=True))
+        assert ours.keys() == orbax.keys() == {"params"}
+        assert ours["params"]["w"].tolist() == orbax["params"]["w"].tolist() == [0, 1, 2, 3]
+        assert ours["params"]["b"] == 3
+        with pytest.raises(ValueError, match=r"never saved: \['params'\]\['v'\]"):
+            ckptr.restore(
+                tmp_path / "ckpt",
+                args=cj.StripedRestore({"params": {"v": np.zeros(4)}}, partial=True),
+            )
+        with pytest.raises(ValueError, match=r"partial restore .* needs a target"):
+            ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(partial=True))
+        # Without partial=True an omitted leaf stays an error naming it.
+        with pytest.raises(ValueError, match=r"saved but not in the target: \['opt'\]\['mu'\]"):
+            ckptr.restore(tmp_path / "ckpt", args=cj.StripedRestore(target))

@@ -8,7 +8,8 @@
 passes on the equivalent ``StripedSave``/``StripedRestore`` and nothing else: a sharding from
 ``ArrayRestoreArgs`` becomes the target leaf's sharding, shape and dtype come from the
 checkpoint's metadata. Options the striped handler does not offer raise, and the cases that
-need them are skipped with the feature named.
+need them are skipped with the feature named. ``PyTreeRestore(partial_restore=True)`` becomes
+``StripedRestore(target, partial=True)``.
 
 ``standard_checkpoint_handler_test_utils.StandardCheckpointHandlerTestBase``, which issue 16
 names, is not in the installed wheel (0.12.8 ships only a ``StandardCheckpointHandler``
@@ -56,11 +57,11 @@ class _PyTreeArgs(cj.StripedCheckpointHandler):
     def restore(self, directory, args=None, *, item=None):
         if isinstance(args, cj.StripedRestore):
             return super().restore(directory, args)
-        return super().restore(directory, cj.StripedRestore(self._target(directory, args)))
+        partial = bool(getattr(args, "partial_restore", False))
+        target = self._target(directory, args)
+        return super().restore(directory, cj.StripedRestore(target, partial=partial))
 
     def _target(self, directory, args) -> Any:
-        if getattr(args, "partial_restore", False):
-            raise NotImplementedError("partial_restore=True is not offered")
         item, restore_args = args.item, args.restore_args
         if restore_args is None:
             return item
@@ -149,8 +150,6 @@ _NOT_OFFERED = {
     "test_save_with_failing_array_metadata_store_in_finalize": "Orbax's ArrayMetadata store and "
     "type-handler registry (PyTreeCheckpointHandler internals) are not used; finalize checks "
     "the manifest parts instead (test_multiprocess.py)",
-    "test_partial_restore_with_omission": "partial restore by omission "
-    "(PyTreeRestore(partial_restore=True)) is not offered; ocp.PLACEHOLDER leaves are",
     "test_composite_handler_metadata": "checks that the item is PyTreeCheckpointHandler's own "
     "(its typestr and on-disk metadata files); a striped item has cocijax's manifest instead",
 }
