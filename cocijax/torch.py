@@ -56,6 +56,7 @@ from cocijax.manager._contract import (
     check_step_order,
 )
 from cocijax.manager._driver import PolicyDriver
+from cocijax.manager._faults import run_all
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.storage import fsync_dir
@@ -289,6 +290,7 @@ class CheckpointManager:
             _write_json(tmp / METADATA_NAME, meta)
             os.rename(tmp, self._dir / str(step))
             fsync_dir(self._dir)
+            self._history.recorded()  # the job's failures are on record with this step
         except BaseException:
             self._abandon(step, tmp)
             raise
@@ -434,13 +436,14 @@ class CheckpointManager:
         """Waits for the save in flight and releases the background thread."""
         if self._closed:
             return
-        try:
-            self.wait_until_finished()
-        finally:
-            self._executor.shutdown(wait=True)
-            self._closed = True
-            self._history.close()
-            self._dir_lock.release()
+        self._closed = True
+        # Each runs whatever the ones before raised: the lock is always released.
+        run_all(
+            self.wait_until_finished,
+            lambda: self._executor.shutdown(wait=True),
+            self._history.close,
+            self._dir_lock.release,
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self

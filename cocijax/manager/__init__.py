@@ -18,6 +18,7 @@ from cocijax.manager._contract import (
     ManagerClosedError,
     ManagerProtocol,
     Measurements,
+    StepDeletedError,
 )
 from cocijax.manager._save_decision import SaveDecisionPolicy
 
@@ -28,4 +29,5 @@ __all__ = [
     "ManagerProtocol",
     "Measurements",
     "SaveDecisionPolicy",
+    "StepDeletedError",
 ]

@@ -24,6 +24,7 @@ deletion never leaves a listed step with half its files; the manager empties tha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import (
     ManagerClosedError,
     Measurements,
+    StepDeletedError,
     check_step,
     check_step_order,
 )
@@ -55,11 +57,12 @@ from cocijax.manager._directory import (
     check_extra,
     check_layout,
     is_committed,
+    list_committed,
     merge_options,
     split_best,
 )
 from cocijax.manager._driver import PolicyDriver, stage_loss
-from cocijax.manager._faults import naming, retry_deletions, wait
+from cocijax.manager._faults import naming, retry_deletions, run_all, wait
 from cocijax.manager._gc import collect_garbage
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
@@ -198,6 +201,7 @@ class CheckpointManager:
         self._lock: DirectoryLock | None = None
         self._history: RunHistory | None = None
         self._committed: set[int] = set()
+        self._save_started = False
         options = merge_options(
             options,
             max_to_keep=max_to_keep,
@@ -278,9 +282,11 @@ class CheckpointManager:
                 self._load_policy(latest, history=True)
             self._latest_saved = latest
         except BaseException:
-            if hasattr(self, "orbax"):
-                self.orbax.close()
-            self._release()
+            # The lock is released even when closing Orbax fails too; the error of the open
+            # is the one raised.
+            with contextlib.suppress(Exception):
+                orbax = getattr(self, "orbax", None)
+                run_all(_nothing if orbax is None else orbax.close, self._release)
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
@@ -290,11 +296,14 @@ class CheckpointManager:
         self._poll_preemption = self._preemption.polled
 
     def _release(self) -> None:
-        """Releases the lock and the running marker (a clean end: no failure is counted)."""
-        if self._history is not None:
-            self._history.close()
-        if self._lock is not None:
-            self._lock.release()
+        """Removes the running marker (a clean end), then releases the lock, whatever fails.
+
+        In this order: once the lock is free another writer may open and write its own marker.
+        """
+        run_all(
+            self._history.close if self._history is not None else _nothing,
+            self._lock.release if self._lock is not None else _nothing,
+        )
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -338,7 +347,14 @@ class CheckpointManager:
         return self.orbax.metrics(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first: a save still in flight is not listed."""
+        """Committed steps, oldest first: a save still in flight is not listed.
+
+        A read-only manager lists the directory afresh at every call: it follows a writer in
+        another process, whose new steps Orbax's cached listing would not show.
+        """
+        if self._read_only:
+            self._committed = set(list_committed(self._directory, frozenset(self._committed)))
+            return sorted(self._committed)
         # Orbax lists a step as soon as its save starts; committed means the manifest is there.
         # A manifest, once valid, stays so: each step directory is read once.
         steps = sorted(self.orbax.all_steps())
@@ -482,6 +498,7 @@ class CheckpointManager:
                         force=True,
                     )
                 self._latest_saved = step
+                self._save_started = True  # until a wait says whether it committed
         finally:
             ready.set()
 
@@ -541,7 +558,10 @@ class CheckpointManager:
 
     def _wait(self) -> None:
         """Waits for the running save; its errors (every one, once) name a path."""
+        started, self._save_started = self._save_started, False
         wait(self.orbax, self._step_dir(self._latest_saved), self._paths)
+        if started:
+            self._history.recorded()  # a save of this run committed, with the job's failures
 
     def _collect_garbage(self) -> None:
         """Empties the trash, removes unreferenced stripes, retries failed deletions of steps."""
@@ -573,6 +593,12 @@ class CheckpointManager:
           partial: ``target`` may be any sub-tree of the saved state (e.g. only the
             parameters); the leaves it omits are not read.
 
+        A read-only manager may restore while a writer in another process saves and deletes
+        old steps (``max_to_keep``): what it returns is always one complete step, never a mix.
+        When the step being read is deleted under it, ``restore()`` (the newest step) starts
+        again with the newest step (up to 8 times, then ``StepDeletedError``), and
+        ``restore(step)`` raises ``StepDeletedError``.
+
         Returns:
           The restored state; ``(state, extra)`` when ``extra`` is given, ``extra`` a dict of
           the restored items by name.
@@ -580,6 +606,7 @@ class CheckpointManager:
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: no such committed step (the message lists the available ones).
+          StepDeletedError: the step (a ``FileNotFoundError``) was deleted while it was read.
           KeyError: an ``extra`` item was not saved with the step (Orbax's error, listing the
             step's items).
           ValueError: ``target`` does not match the saved tree (names the leaf; with
@@ -595,38 +622,40 @@ class CheckpointManager:
             raise ValueError(
                 "restore: partial=True needs a target, the sub-tree of the saved state to read."
             )
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"restore: no committed step in {self._directory}.")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"restore: step {step} is not a committed step in {self._directory} "
-                f"(committed: {steps})."
-            )
-        candidates = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
-        skipped: list[int] = []
-        for candidate in candidates:
+        args = {STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
+        newest = step is None
+        for attempt in range(_DELETED_RETRIES + 1):
+            steps = self.all_steps()
+            if newest:
+                if not steps:
+                    raise FileNotFoundError(f"restore: no committed step in {self._directory}.")
+                step = steps[-1]
+            elif step not in steps:
+                raise FileNotFoundError(
+                    f"restore: step {step} is not a committed step in {self._directory} "
+                    f"(committed: {steps})."
+                )
+            candidates = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
             try:
-                restored = self.orbax.restore(
-                    candidate,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
-                    ),
-                )
-            except (storage.CorruptCheckpointError, storage.CheckpointFormatError) as e:
-                if not fallback or candidate == candidates[-1]:
-                    if skipped:
-                        e.add_note(f"restore: also damaged, skipped: steps {skipped}")
-                    raise
-                warnings.warn(
-                    f"restore: skipping damaged step {candidate}: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                skipped.append(candidate)
-                continue
+                candidate, restored = self._restore_first(candidates, args, fallback=fallback)
+            except _Deleted as deleted:
+                if newest and attempt < _DELETED_RETRIES:
+                    log.info(
+                        "restore: step %d was deleted while it was read; retrying with the "
+                        "newest step",
+                        deleted.step,
+                    )
+                    continue
+                raise StepDeletedError(
+                    f"restore: step {deleted.step} in {self._directory} was deleted while it was "
+                    "read (the writer's retention or delete)"
+                    + (
+                        f", {attempt + 1} times in a row: the writer deletes steps faster than "
+                        "this reader reads them."
+                        if newest
+                        else f"; committed now: {self.all_steps()}."
+                    )
+                ) from deleted.__cause__
             self._load_policy(candidate)
             self._restored_step = candidate
             self._pending_loss = None
@@ -635,6 +664,36 @@ class CheckpointManager:
             if extra is None:
                 return restored[STATE_ITEM]
             return restored[STATE_ITEM], {name: restored[name] for name in items}
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _restore_first(
+        self, candidates: list[int], args: dict[str, Any], *, fallback: bool
+    ) -> tuple[int, Any]:
+        """Restores the first candidate that is intact (with ``fallback``) or the first one.
+
+        Raises:
+          _Deleted: a candidate's directory vanished while it was read (a writer deleted it).
+        """
+        skipped: list[int] = []
+        for candidate in candidates:
+            try:
+                return candidate, self.orbax.restore(candidate, args=ocp.args.Composite(**args))
+            except Exception as e:
+                # A writer renames a step out of the directory before it removes any of its
+                # data, so data missing under a step directory that is still there is damage.
+                if not (self._directory / self._name_format.build_name(candidate)).exists():
+                    raise _Deleted(candidate) from e
+                damaged = isinstance(e, _DAMAGE)
+                if not damaged or not fallback or candidate == candidates[-1]:
+                    if skipped:
+                        e.add_note(f"restore: also damaged, skipped: steps {skipped}")
+                    raise
+                warnings.warn(
+                    f"restore: skipping damaged step {candidate}: {e}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                skipped.append(candidate)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _load_policy(self, step: int, *, history: bool = False) -> None:
@@ -702,22 +761,33 @@ class CheckpointManager:
             self._collect_garbage()
 
     def close(self) -> None:
-        """Waits for the running save, collects garbage, closes Orbax and releases the lock."""
+        """Waits for the running save, collects garbage, closes Orbax and releases the lock.
+
+        Each of these runs whatever the ones before it raised (a failed save, an I/O error),
+        so the lock is always released and the previous signal handlers are always back; the
+        first error is raised afterwards (the others as notes), naming a path. The running
+        marker is removed (a clean end) unless the previous run's failure is not recorded by
+        any committed save of this run yet; a marker that cannot be removed is named in the
+        error, and the next open counts it as one failure.
+
+        Raises:
+          Exception: the first error of the above (a failed save's, with the path it names).
+        """
         if self._closed:
             return
-        try:
+        self._closed = True
+
+        def finish() -> None:
             self._wait()  # re-raises a failed save: close all the same
             with naming(self._directory, self._paths):
                 self._apply_retention()
                 self._collect_garbage()
-        finally:
+
+        def close_orbax() -> None:
             with naming(self._directory, self._paths):
-                try:
-                    self.orbax.close()
-                finally:
-                    self._closed = True
-                    self._preemption.uninstall()
-                    self._release()
+                self.orbax.close()
+
+        run_all(finish, close_orbax, self._preemption.uninstall, self._release)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -738,6 +808,23 @@ class CheckpointManager:
                 self._lock.release()
         except Exception:
             pass
+
+
+def _nothing() -> None:
+    pass
+
+
+_DAMAGE = (storage.CorruptCheckpointError, storage.CheckpointFormatError)
+# How often ``restore()`` retries with the newest step when the one it reads is deleted.
+_DELETED_RETRIES = 8
+
+
+class _Deleted(Exception):
+    """A step vanished while it was restored (internal: becomes a retry or StepDeletedError)."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
 
 
 def _watcher(signals: tuple[signal.Signals, ...], directory: Path) -> PreemptionWatcher:

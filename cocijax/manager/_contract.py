@@ -35,6 +35,7 @@ __all__ = [
     "ManagerClosedError",
     "ManagerProtocol",
     "Measurements",
+    "StepDeletedError",
     "check_step",
     "check_step_order",
 ]
@@ -42,6 +43,15 @@ __all__ = [
 
 class DirectoryLockedError(RuntimeError):
     """Another manager (in this or another process) writes to the directory."""
+
+
+class StepDeletedError(FileNotFoundError):
+    """A step was deleted (by the writer's retention or ``delete``) while it was being read.
+
+    Raised by a reader's ``restore(step)`` of that very step; ``restore()`` of the newest step
+    retries with the newest one instead. A ``FileNotFoundError``, like asking for a step that
+    is not there.
+    """
 
 
 class ManagerClosedError(ValueError, RuntimeError):

@@ -11,6 +11,7 @@ and valid.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -56,6 +57,30 @@ def is_committed(step_dir: Path) -> bool:
     return True
 
 
+def list_committed(directory: Path, known: frozenset[int] = frozenset()) -> list[int]:
+    """The committed steps of ``directory``, listed while a writer may be changing it.
+
+    A writer commits a new step (renames it into place) before it renames an old one away, but
+    a listing is taken first and checked after: a step that vanishes in between may hide a
+    newer one the listing predates. So when a listed step vanishes, the directory is listed
+    again (a few times at most). ``known`` steps are committed already: their existence is
+    checked, not their manifest.
+    """
+    steps: list[int] = []
+    for _ in range(8):
+        names = [name for name in os.listdir(directory) if STEP_RE.match(name)]
+        steps, vanished = [], False
+        for name in names:
+            path = directory / name
+            if path.exists() if int(name) in known else is_committed(path):
+                steps.append(int(name))
+            elif not path.exists():
+                vanished = True
+        if not vanished:
+            break
+    return sorted(steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class CommittedStepFormat:
     """Orbax ``NameFormat`` that lists only steps with a valid cocijax manifest.
@@ -83,7 +108,8 @@ def check_layout(directory: Path) -> list[Path]:
     """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
 
     Allowed: step directories holding a ``state`` item, Orbax temporary directories, and hidden
-    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder).
+    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder). An
+    entry that vanishes while it is looked at was deleted by a writer: it is skipped.
     """
     uncommitted = []
     for entry in sorted(directory.iterdir()):
@@ -91,13 +117,15 @@ def check_layout(directory: Path) -> list[Path]:
         if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
-            if not (entry / STATE_ITEM).is_dir():
+            if not (entry / STATE_ITEM).is_dir() and entry.exists():
                 raise ValueError(
                     f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
                     "item; it was not written by cocijax. Use an empty or cocijax-only directory."
                 )
-            if not is_committed(entry):
+            if not is_committed(entry) and entry.exists():
                 uncommitted.append(entry)
+            continue
+        if not os.path.lexists(entry):
             continue
         raise ValueError(
             f"directory: {entry} was not written by cocijax (expected only step directories). "

@@ -19,7 +19,7 @@ libfiu (``tests/reliability/test_io_errors.py``):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from cocijax.manager._directory import STEP_RE, is_committed
 
-__all__ = ["naming", "retry_deletions", "wait"]
+__all__ = ["naming", "retry_deletions", "run_all", "wait"]
 
 
 @contextlib.contextmanager
@@ -35,22 +35,45 @@ def naming(where: Path, inside: Sequence[Path]) -> Iterator[None]:
     """Re-raises an error that names no path under ``inside`` as one that names ``where``.
 
     The new error has the same type (an ``OSError`` keeps its ``errno`` and gets ``where`` as
-    its file name) and the original as its cause; an error whose type cannot be rebuilt from a
-    message gets ``where`` in a note only.
+    its file name), the original's notes and the original as its cause; an error whose type
+    cannot be rebuilt from a message gets ``where`` in a note only.
     """
     try:
         yield
     except Exception as e:
         if any(str(path) in str(e) for path in inside):
             raise
-        if isinstance(e, OSError) and e.errno is not None:
-            raise type(e)(e.errno, e.strerror, str(where)) from e
         try:
-            renamed = type(e)(f"{e} (while saving {where})")
+            if isinstance(e, OSError) and e.errno is not None:
+                renamed = type(e)(e.errno, e.strerror, str(where))
+            else:
+                renamed = type(e)(f"{e} (while saving {where})")
         except Exception:
             e.add_note(f"while saving {where}")
             raise e from None
+        for note in getattr(e, "__notes__", ()):
+            renamed.add_note(note)
         raise renamed from e
+
+
+def run_all(*calls: Callable[[], object]) -> None:
+    """Calls every one of ``calls`` whatever the earlier ones raise; then raises the first error.
+
+    Later errors are attached to the first as notes, so none is lost and none masks the first
+    (a ``finally`` chain would raise the last). A ``KeyboardInterrupt`` does not stop the calls
+    that follow it either: they release what must be released.
+    """
+    first: BaseException | None = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:
+            if first is None:
+                first = e
+            else:
+                first.add_note(f"also: {type(e).__name__}: {e}")
+    if first is not None:
+        raise first
 
 
 def wait(orbax: ocp.CheckpointManager, where: Path, inside: Sequence[Path]) -> None:
@@ -64,7 +87,6 @@ def wait(orbax: ocp.CheckpointManager, where: Path, inside: Sequence[Path]) -> N
     Raises:
       Exception: the first error of the failed save (later ones are attached as notes).
     """
-    errors: list[Exception] = []
     # When Orbax's finalisation fails first, its AsyncCheckpointer may still be writing, and
     # its error would be raised by a later restore: wait for it too. Orbax 0.12 has no public
     # name for the manager's checkpointer.
@@ -72,16 +94,8 @@ def wait(orbax: ocp.CheckpointManager, where: Path, inside: Sequence[Path]) -> N
     calls = [orbax.wait_until_finished, orbax.check_for_errors]
     if hasattr(checkpointer, "wait_until_finished"):
         calls.append(checkpointer.wait_until_finished)
-    for call in calls:
-        try:
-            with naming(where, inside):
-                call()
-        except Exception as e:
-            errors.append(e)
-    if errors:
-        for other in errors[1:]:
-            errors[0].add_note(f"also: {type(other).__name__}: {other}")
-        raise errors[0]
+    with naming(where, inside):
+        run_all(*calls)
 
 
 def retry_deletions(orbax: Any, directory: Path) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
+import logging
 import os
 import random
 import sys
@@ -79,15 +80,26 @@ class Fiu:
         self.lib.fiu_disable.argtypes = [ctypes.c_char_p]
         self.lib.fiu_set_prng_seed.argtypes = [ctypes.c_uint]
 
-    def enable(self, probability: float, seed: int) -> None:
+    def enable(self, probability: float, seed: int, points: tuple[str, ...] = POINTS) -> None:
         self.lib.fiu_set_prng_seed(seed)
-        for name in POINTS:
+        for name in points:
             if self.lib.fiu_enable_random(name.encode(), 1, None, 0, probability) != 0:
                 raise RuntimeError(f"fiu_enable_random({name!r}) failed")
 
-    def disable(self) -> None:
-        for name in POINTS:
+    def disable(self, points: tuple[str, ...] = POINTS) -> None:
+        for name in points:
             self.lib.fiu_disable(name.encode())
+
+
+class _Log(logging.Handler):
+    """Keeps the warnings and errors logged during a trial (Orbax's and cocijax's), for a report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.name}: {record.getMessage()}"[:400])
 
 
 def _same(restored: Any, want: dict[str, Any]) -> bool:
@@ -121,6 +133,8 @@ def main() -> int:
             handler_options=HANDLER_OPTIONS,
         )
 
+    log = _Log()
+    logging.getLogger().addHandler(log)
     mngr = open_manager()
     # A trial that hangs prints every thread's stack and ends the process (the test fails).
     faulthandler.enable()
@@ -134,6 +148,7 @@ def main() -> int:
         closes = trial % 4 == 3
         faulthandler.dump_traceback_later(cfg.get("trial_timeout_s", 120), exit=True)
         before = mngr.all_steps()
+        log.lines.clear()
         errors: list[dict[str, str]] = []
         fiu.enable(probability, seed)
         try:
@@ -141,8 +156,10 @@ def main() -> int:
                 step += 1
                 try:
                     mngr.save(step, state(step), loss=1.0, force=True)
+                    log.lines.append(f"save({step}) returned")
                 except Exception as e:
                     errors.append(_error("save", e))
+                    log.lines.append(f"save({step}) raised {type(e).__name__}")
             try:
                 mngr.wait_until_finished()
             except Exception as e:
@@ -202,6 +219,17 @@ def main() -> int:
                     "errors": errors,
                     "problems": problems,
                     "listed": after,
+                    # What happened, for a trial that found a problem: the steps listed
+                    # before it, the trial's log, what the directory holds.
+                    **(
+                        {
+                            "before": before,
+                            "log": log.lines[-40:],
+                            "on_disk": sorted(str(p.relative_to(base)) for p in _tops(base)),
+                        }
+                        if problems
+                        else {}
+                    ),
                 }
             ),
             flush=True,
@@ -209,6 +237,13 @@ def main() -> int:
     faulthandler.cancel_dump_traceback_later()
     mngr.close()
     return 0
+
+
+def _tops(base: Path) -> list[Path]:
+    """The checkpoint directory's entries and what its trash holds."""
+    ckpt = base / "ckpt"
+    trash = [p for p in (ckpt / ".cocijax-deleted").glob("*")]
+    return [*ckpt.iterdir(), *trash]
 
 
 def _error(where: str, e: BaseException) -> dict[str, str]:

@@ -67,3 +67,46 @@ def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) ->
         f"{faulted} with errors ({sum(errors.values())} raised: {dict(errors.most_common(6))}), "
         "0 problems"
     )
+
+
+def test_close_under_faults_releases_the_lock_and_keeps_failures_counted(tmp_path: Path) -> None:
+    """A close that fails (a failed save, a marker that cannot be removed) still unlocks.
+
+    ``_fiu_close.py`` runs three scenarios in one process under ``fiu-run``; after each, the
+    same process opens the directory again. What the next run must count: nothing after a
+    failed save (the run did close); one failure after a marker that could not be removed
+    (it cannot tell); after a crash, the crash once, until a committed save records it.
+    """
+    fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
+    done = subprocess.run(
+        [fiu_run, "-x", sys.executable, str(HERE / "_fiu_close.py"), str(tmp_path)],
+        cwd=HERE,
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    records = {
+        r["scenario"]: r
+        for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    }
+    assert len(records) == 3, f"status {done.returncode}: {done.stderr[-4000:]}"
+    for name, r in records.items():
+        assert "crashed" not in r, f"{name}: {r['crashed']}"
+        assert r["errors"], f"{name}: no injected error surfaced"
+        assert all(str(tmp_path / name) in e for e in r["errors"]), r["errors"]
+        assert r["lock_free"], f"{name}: the failed close kept the lock"
+        assert r["steps"] == [1] and r["restores"], r
+        assert not r["marker_after_clean_close"], r
+    # A failed save, then close: the run ended, no failure.
+    assert records["failed-save"]["failures"] == 0
+    assert not records["failed-save"]["marker_left"]
+    # The marker could not be removed: the error names it; the next run counts one failure.
+    unlink = records["marker-unlink-fails"]
+    assert any(".cocijax-running" in e for e in unlink["errors"]), unlink["errors"]
+    assert unlink["marker_left"] and unlink["failures"] == 1
+    # The crash is in no committed checkpoint yet: its marker stays and it is counted once,
+    # by the next run and, after that run's save records it, by the one after.
+    crash = records["crash-then-failed-save"]
+    assert crash["failures_at_open"] == 1 and crash["marker_left"]
+    assert crash["failures"] == 1 and crash["failures_after_clean_close"] == 1
