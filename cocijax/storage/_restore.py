@@ -196,8 +196,9 @@ class _Placements:
             try:
                 meta = sharding_metadata(record.sharding)
                 self._saved[key] = meta.to_jax_sharding()
-            except (ValueError, KeyError, TypeError, NotImplementedError):
-                self._saved[key] = None  # saved on devices this job does not have
+            # Saved on devices this job does not have, or a sharding Orbax cannot parse.
+            except (ValueError, KeyError, TypeError, NotImplementedError, AttributeError):
+                self._saved[key] = None
         return self._saved[key]
 
     def saved_or_default(self, record: LeafRecord) -> jax.sharding.Sharding:

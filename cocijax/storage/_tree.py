@@ -51,6 +51,10 @@ _EMPTY_VALUES = {
 }
 
 
+# The manifest values of empty leaves (see empty_tag).
+EMPTY_TAGS = tuple(_EMPTY_VALUES)
+
+
 class UnsupportedLeafError(ValueError, TypeError):
     """A leaf of a type or dtype the handler cannot save.
 

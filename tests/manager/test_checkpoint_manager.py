@@ -196,6 +196,7 @@ def test_a_field_added_to_a_policy_state_takes_its_initial_value(tmp_path):
     data = json.loads(state_file.read_text())
     kept = [e for e in data["policy_state"] if e["path"] != ".exposure"]
     assert len(kept) == len(data["policy_state"]) - 1
+    del data["digest"]  # nor did older versions write a digest
     state_file.write_text(json.dumps({**data, "policy_state": kept}))
     with cj.CheckpointManager(tmp_path, policy=policy) as mngr:
         loaded = mngr.policy_state
