@@ -128,15 +128,22 @@ def _check_leaf(leaf: LeafRecord, where: str) -> None:
 
 
 def _check_paths(leaves: tuple[LeafRecord, ...]) -> None:
-    """Key paths must rebuild one tree: none repeated, none leading into another leaf."""
+    """Key paths must rebuild one tree: none repeated, none leading into another leaf, and
+    the children of a node all indices or all dict keys of one type (as JAX sorts them)."""
     paths = {tuple(leaf.keys) for leaf in leaves}
     if len(paths) != len(leaves):
         raise _Bad("two leaves have the same key path")
+    children: dict[tuple, set[str]] = {}
     for leaf in leaves:
         keys = tuple(leaf.keys)
         for n in range(len(keys)):
             if keys[:n] in paths:
                 raise _Bad(f"leaf {leaf.path} lies inside another leaf")
+            kind, key = keys[n]
+            sort = "index" if kind in ("seq", "flat") else type(key).__name__
+            children.setdefault(keys[:n], set()).add(sort)
+    if any(len(sorts) > 1 for sorts in children.values()):
+        raise _Bad("a node mixes list indices and dict keys, or dict keys of two types")
 
 
 def _inside(file: Any) -> bool:
