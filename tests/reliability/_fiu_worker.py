@@ -18,7 +18,14 @@ all trials of the process. A trial:
 4. saves one more step without faults: it must succeed and commit, no stripe directory may be
    left that no step references, and at most ``max_to_keep`` steps may be listed.
 
-Each trial is one JSON line on stdout.
+Each trial is one JSON line on stdout; a trial that finds a problem also carries the steps
+listed before it, the warnings and errors logged during it, and what the directory holds.
+
+What a seed fixes: each trial's probability, number of saves and whether it closes, and the seed
+of libfiu's generator. Not which call fails: the saves' threads (Orbax's, TensorStore's, the
+writers') draw from libfiu's one generator in the order the scheduler picks, so a rerun with the
+same seed fails other calls. The invariants hold for every interleaving; a problem is diagnosed
+from what its record carries, not by a replay.
 """
 
 from __future__ import annotations

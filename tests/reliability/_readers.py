@@ -53,20 +53,13 @@ def state(step: int, rows: int | None = None) -> dict[str, Any]:
 
 
 def same(tree: Any, step: int) -> bool:
-    want = state(step)
-    flat = {
-        "kernel": tree["params"]["kernel"],
-        "bias": tree["params"]["bias"],
-        "mu": tree["opt"]["mu"],
-        "step": tree["step"],
-    }
-    ref = {
-        "kernel": want["params"]["kernel"],
-        "bias": want["params"]["bias"],
-        "mu": want["opt"]["mu"],
-        "step": want["step"],
-    }
-    return all(np.asarray(flat[k]).tobytes() == np.asarray(v).tobytes() for k, v in ref.items())
+    """Whether every leaf of ``tree`` is, bit for bit, what the writer saved at ``step``."""
+    import jax
+
+    got, want = jax.tree.leaves(tree), jax.tree.leaves(state(step))
+    return len(got) == len(want) and all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(got, want, strict=True)
+    )
 
 
 def writer(cfg: dict[str, Any]) -> None:
