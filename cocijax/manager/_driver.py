@@ -131,6 +131,9 @@ class PolicyDriver:
       prior_mtbf_s: the MTBF the history's estimate starts from (see ``RunHistory.mtbf_s``).
       cost_from_intervals: the caller cannot time its saves: the interval after a "save"
         decision is split into the step time known so far and the save's cost.
+      broadcast: makes the measured inputs of every process equal before the policy sees them
+        (see :class:`cocijax.policies.Runner`); default: JAX's broadcast from process 0. The
+        PyTorch manager passes its process group's.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -149,10 +152,11 @@ class PolicyDriver:
         history: RunHistory | None = None,
         prior_mtbf_s: float = math.nan,
         cost_from_intervals: bool = False,
+        broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
     ):
         check_policy(policy)
         self.policy = policy
-        self.runner = Runner(policy, broadcast=_broadcast_from_process_0)
+        self.runner = Runner(policy, broadcast=broadcast)
         self.runner.compile()  # now, so that no training step is charged for it
         self.history = history
         self._prior_mtbf_s = prior_mtbf_s
