@@ -126,8 +126,12 @@ class Ranks:
         return result  # type: ignore[return-value]
 
     def dcp_args(self, group: dist.ProcessGroup | None) -> dict[str, Any]:
-        """The process-group arguments of a DCP ``save``/``async_save``/``load`` call."""
-        return {"no_dist": True} if group is None else {"process_group": group}
+        """The process-group arguments of a DCP ``save``/``async_save``/``load`` call.
+
+        None with one rank: DCP then works in this process alone (its ``no_dist`` argument
+        says the same, but older torch releases lack it).
+        """
+        return {} if group is None else {"process_group": group}
 
     def close(self) -> None:
         """Destroys the two groups (when the default group still exists)."""

@@ -3,7 +3,8 @@
 Every rank feeds the manager its own step times, losses and save costs (a scripted clock), so
 a rank deciding on its own inputs would save at other steps than rank 0. Each rank saves an
 ``extra`` counter and draws from its RNGs with its own seed; then it reopens the directory,
-scrambles its state, restores, and records what came back in ``out/rank<r>.json``.
+scrambles its state, restores, and records what came back in ``out/rank<r>.json``; last, rank
+1's extra item fails at a forced save.
 """
 
 from __future__ import annotations
@@ -51,7 +52,27 @@ def main() -> None:
     fresh = SlowStaging(clock, 0.0)
     with cjt.CheckpointManager(cfg["directory"], policy=policy, clock=clock) as mngr:
         _, extra = mngr.restore(target=state, extra={"counter": fresh})
+    # One rank's extra item fails to give its state: every rank raises, none waits for ever,
+    # nothing is listed, and the next save works.
+    broken = SlowStaging(clock, 0.0)
+    if rank == 1:
+        broken.state_dict = lambda: {}["no state on rank 1"]
+    n = len(mine["step_times"])
+    with cjt.CheckpointManager(cfg["directory"], policy=policy, clock=clock) as mngr:
+        try:
+            mngr.save(n + 1, state, loss=1.0, force=True, extra={"broken": broken})
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        steps_after_error = mngr.all_steps()
+        saved_after_error = mngr.save(n + 2, state, loss=1.0, force=True)
+        mngr.wait_until_finished()
+        steps_after_next = mngr.all_steps()
     record = {
+        "error": error,
+        "steps_after_error": steps_after_error,
+        "saved_after_error": saved_after_error,
+        "steps_after_next": steps_after_next,
         "decisions": decisions,
         "latest": latest,
         "steps_on_disk": sorted(

@@ -129,9 +129,10 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
     own = [replay(policy, r["step_times"], r["losses"], r["cost_s"], n)[0] for r in ranks]
     assert own[0] != own[1], "the ranks' inputs lead to the same decisions: nothing is tested"
     assert records[0]["decisions"] == records[1]["decisions"] == own[0]
-    latest = max(s for s, saved in enumerate(own[0], 1) if saved)
+    saved_steps = [s for s, saved in enumerate(own[0], 1) if saved]
+    latest = saved_steps[-1]
     assert records[0]["latest"] == records[1]["latest"] == latest
-    assert _committed(tmp_path / "ckpt") == [s for s, saved in enumerate(own[0], 1) if saved]
+    assert _committed(tmp_path / "ckpt") == [*saved_steps, n + 2]  # n + 2: see below
 
     for r, record in enumerate(records):
         assert record["restored_counter"] == 1000 * r + latest  # its own extra item
@@ -142,14 +143,26 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
     initial = torch.nn.Linear(4, 3)
     assert records[0]["weight"] == records[1]["weight"] == initial.weight.tolist()
 
+    # Rank 1's extra item raised in a forced save: rank 1 raised that error, rank 0 a
+    # RuntimeError naming rank 1's; nothing was listed; the next save committed on both.
+    assert records[1]["error"] == "KeyError: 'no state on rank 1'"
+    assert records[0]["error"] == (
+        "RuntimeError: rank 1 failed, so this rank (0) stops too: KeyError: 'no state on rank 1'"
+    )
+    for record in records:
+        assert record["steps_after_error"] == saved_steps
+        assert record["saved_after_error"] and record["steps_after_next"][-1] == n + 2
+
     # One process restores the 2-rank checkpoint: the state reshards; per-rank state cannot.
     model = torch.nn.Linear(4, 3)
     with cjt.CheckpointManager(tmp_path / "ckpt", policy=policy) as mngr:
         with pytest.warns(RuntimeWarning, match="saved by 2 ranks, this job has 1"):
-            mngr.restore(target={"model": model})
+            mngr.restore(step=latest, target={"model": model})
         with pytest.raises(ValueError, match=r"extra items are per rank.*saved by 2 ranks"):
             mngr.restore(
-                target={"model": model}, extra={"counter": SlowStaging(ManualClock(), 0.0)}
+                step=latest,
+                target={"model": model},
+                extra={"counter": SlowStaging(ManualClock(), 0.0)},
             )
     assert model.weight.tolist() == initial.weight.tolist()
 
