@@ -1,17 +1,19 @@
 """Trains a small CNN on scikit-learn's digits with cocijax deciding when to checkpoint.
 
-    python examples/torch_train.py                        # trains, saving when the policy says
-    python examples/torch_train.py --crash-at 500         # SIGKILLs itself after step 500
-    python examples/torch_train.py                        # ...and resumes from the latest save
-    torchrun --nproc_per_node=2 examples/torch_train.py   # the same on 2 ranks (gloo, FSDP)
+    python examples/torch_train.py                  # trains, saving when the policy says
+    python examples/torch_train.py --crash-at 500   # SIGKILLs itself after step 500
+    python examples/torch_train.py                  # ...and resumes from the latest save
+    torchrun --nproc_per_node=2 examples/torch_train.py --dir ckpt/torch_2ranks  # 2 ranks
 
 Needs ``pip install 'cocijax[torch]' torchdata scikit-learn``. The data set (1,797 8x8 images)
-ships inside scikit-learn, so this runs offline on a CPU in a few seconds (about 5 s on the
-2-core development machine, most of it start-up). The batches come from torchdata's
-``StatefulDataLoader``, whose position is saved with each checkpoint (``extra``), so a resumed
-run sees the batches an uninterrupted one would and ends with the same parameters (the last
-line prints their digest). Under ``torchrun`` the model is sharded with ``fully_shard`` and each
-rank saves its own shards, data position and RNG states. The MTBF defaults to 10 seconds, far
+ships inside scikit-learn, so this runs offline on a CPU: about 20 s on the 2-core development
+machine while other jobs shared it, 6 s of them training and the rest start-up (imports,
+compiling the policy). The batches come from torchdata's ``StatefulDataLoader``, whose position
+is saved with each checkpoint (``extra``), so a resumed run sees the batches an uninterrupted
+one would and ends with the same parameters (the last line prints their digest). Under
+``torchrun`` (gloo) the model is sharded with ``fully_shard`` and each rank saves its own
+shards, data position and RNG states; a directory saved by one rank cannot resume on two (the
+data position is per rank), hence its own ``--dir``. The MTBF defaults to 10 seconds, far
 shorter than any real cluster's, so that the policy takes several checkpoints within a short
 demo; use hours (e.g. ``--mtbf 21600``) for real jobs.
 """

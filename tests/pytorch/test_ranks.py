@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -60,15 +61,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _launch(script: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    """Starts a 2-rank job; its output (both ranks', and torchrun's) on one pipe."""
+    return subprocess.Popen(
         _torchrun(script, *args),
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=TIMEOUT_S,
+        **popen,
     )
+
+
+def _run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    with _launch(script, *args) as job:
+        out, _ = job.communicate(timeout=TIMEOUT_S)
+    return subprocess.CompletedProcess(job.args, job.returncode, out)
 
 
 def _committed(directory: Path) -> list[int]:
@@ -185,15 +193,8 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     assert first and set(first) <= {10, 20, 30}
 
     # 2. The resumed job is killed whole, launcher and ranks, right after a save started.
-    launcher = subprocess.Popen(
-        _torchrun(EXAMPLE, *cmd),
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines = []
+    launcher = _launch(EXAMPLE, *cmd, start_new_session=True)
+    lines, killed_at = [], None
     try:
         for line in launcher.stdout:
             lines.append(line)
@@ -207,6 +208,7 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
             _kill_job(launcher)
         launcher.stdout.close()
     output = "".join(lines)
+    assert killed_at is not None, f"no save started before the job ended:\n{output[-3000:]}"
     assert f"resumed from step {first[-1]}" in output
     assert launcher.returncode == -signal.SIGKILL, output[-3000:]
     second = _committed(ckpt)  # the save in flight is listed whole or not at all
