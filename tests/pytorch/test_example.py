@@ -11,13 +11,23 @@ from pathlib import Path
 SCRIPT = Path(__file__).parents[2] / "examples" / "torch_train.py"
 
 
-def _run(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _start(directory: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--dir", str(directory), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
+
+
+def _wait(run: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    with run:
+        out, err = run.communicate(timeout=600)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def _run(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return _wait(_start(directory, *args))
 
 
 def _steps(directory: Path) -> list[int]:
@@ -31,11 +41,11 @@ def _digest(out: str) -> str:
 
 
 def test_the_example_with_its_defaults_resumes_and_keeps_its_final_model(tmp_path):
-    uninterrupted = _run(tmp_path / "reference")
-    assert uninterrupted.returncode == 0, uninterrupted.stderr
     ckpt = tmp_path / "ckpt"
-
+    reference = _start(tmp_path / "reference")  # alongside the crashing run: a shorter test
     crashed = _run(ckpt, "--crash-at", "500")
+    uninterrupted = _wait(reference)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert "simulated crash after step 500" in crashed.stdout
     before = _steps(ckpt)
