@@ -1,8 +1,11 @@
 """The contract both managers implement (`cocijax.manager.ManagerProtocol`), one error set,
 and the same best-N retention, preemption saves and final step (real files, real signals)."""
 
+import json
 import os
 import signal
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -29,7 +32,16 @@ def _torch_state():
     return {"w": torch.arange(3.0)}
 
 
+def _jax_cost_on_disk(path, step) -> float:
+    return json.loads((path / str(step) / "policy" / "policy_state.json").read_text())["cost_s"]
+
+
+def _torch_cost_on_disk(path, step) -> float:
+    return json.loads((path / str(step) / "cocijax.json").read_text())["policy"]["cost_s"]
+
+
 MANAGERS = {"jax": (_jax_manager, _jax_state), "torch": (_torch_manager, _torch_state)}
+COST_ON_DISK = {"jax": _jax_cost_on_disk, "torch": _torch_cost_on_disk}
 
 
 @pytest.mark.parametrize("kind", MANAGERS)
@@ -85,7 +97,93 @@ def test_both_managers_keep_the_best_steps_save_on_a_signal_and_save_the_final_s
         assert [mngr.save(s, state(), loss=1.0) for s in (10, 11)] == [False, False]
         assert mngr.save(12, state(), loss=1.0, metrics={"acc": 0.99})  # the final step
         mngr.wait_until_finished()
-        # The best two now are 12 and 4; 9 stays, the step the job would resume from.
+        # The best two now are 12 and 4; 9, the preemption save, is never dropped (with
+        # keep_latest=0 neither: a job resumes from it).
         assert mngr.all_steps() == [4, 9, 12]
         assert mngr.metrics(12) == {"acc": 0.99} and mngr.metrics(9) == {"acc": 0.1}
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is given back
+
+
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_steps_without_metrics_are_kept_only_as_newest_steps_said_once(tmp_path, kind):
+    make, state = MANAGERS[kind]
+    best = {"best_fn": lambda m: m["acc"], "max_to_keep": 1}
+    with (
+        pytest.warns(RuntimeWarning, match=r"step 2 has no metrics.*keep_latest=1") as said,
+        make(tmp_path, policy=cj.policies.fixed(1), **best) as mngr,
+    ):
+        mngr.save(1, state(), loss=1.0, metrics={"acc": 0.5})
+        for step in (2, 3, 4):
+            mngr.save(step, state(), loss=1.0)
+        mngr.wait_until_finished()
+        # Step 1 is the only ranked one; of the unranked, only the newest stays.
+        assert mngr.all_steps() == [1, 4]
+    (warning,) = [w for w in said if "no metrics" in str(w.message)]
+    assert warning.filename == __file__  # it points at the user's save call
+
+
+@pytest.fixture
+def own_sigterm_handler():
+    """A handler of the test's own, so that a restored handler can be told from the default."""
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler, seen
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_sigterm_saves_the_next_step_commits_and_gives_the_handler_back(
+    tmp_path, own_sigterm_handler, kind
+):
+    make, state = MANAGERS[kind]
+    handler, seen = own_sigterm_handler
+    never = cj.policies.fixed(10**6)
+    with make(tmp_path, policy=never) as mngr:
+        assert signal.getsignal(signal.SIGTERM) != handler  # the manager's own while open
+        assert not mngr.save(1, state(), loss=1.0)
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered by the kernel
+        assert not mngr.reached_preemption
+        assert mngr.save(2, state(), loss=1.0)  # the policy says no; the preemption says save
+        assert mngr.reached_preemption
+        assert mngr.all_steps() == [2]  # committed before save returned: no wait needed
+        # Its cost is measured and recorded like any other save's.
+        assert COST_ON_DISK[kind](tmp_path, 2) == mngr.measurements.last_save_s > 0
+        # One preemption save only: the loop should stop, and if it does not, the policy rules.
+        assert not mngr.save(3, state(), loss=1.0)
+        assert seen == []  # the manager took the signal, not the handler it replaced
+    assert signal.getsignal(signal.SIGTERM) is handler
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == [signal.SIGTERM]
+    with make(tmp_path, policy=never) as again:
+        assert again.latest_step() == 2 and not again.reached_preemption
+
+
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_outside_the_main_thread_a_warning_and_no_handler(tmp_path, kind):
+    make, state = MANAGERS[kind]
+    before = signal.getsignal(signal.SIGTERM)
+    caught: list[warnings.WarningMessage] = []
+    results: list[object] = []
+
+    def train():
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with make(tmp_path) as mngr:
+                results.extend(mngr.save(s, state(), loss=1.0) for s in (1, 2))
+                results.append(signal.getsignal(signal.SIGTERM))
+        caught.extend(said)
+
+    thread = threading.Thread(target=train, name="trainer")
+    thread.start()
+    thread.join()
+    assert results == [False, True, before]  # it trains and saves; SIGTERM is left alone
+    (said,) = [w for w in caught if "main thread" in str(w.message)]
+    assert issubclass(said.category, RuntimeWarning)
+    assert "'trainer'" in str(said.message) and "preemption_signals=()" in str(said.message)

@@ -2,8 +2,9 @@
 
 Each job is a real ``torchrun --nproc_per_node=2`` process tree; kills are real ``SIGKILL``s,
 of one rank (``--crash-at``/``--crash-rank`` of the example) or of the whole job (the launcher
-and every rank, from here, while a save is in flight). The checks read the files the jobs left
-and the lines they printed.
+and every rank, from here, while a save is in flight); preemption notices are real
+``SIGTERM``s, to one rank or to ``torchrun``. The checks read the files the jobs left and the
+lines they printed.
 """
 
 from __future__ import annotations
@@ -244,9 +245,10 @@ def _preempted(output: str) -> int:
 
 
 def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The process of ``rank`` in a job started by :func:`_launch`."""
     (process,) = [
         p
-        for p in psutil.Process(launcher.pid).children(recursive=True)
+        for p in psutil.Process(launcher.pid).children()  # torchrun starts the ranks itself
         if p.environ().get("RANK") == str(rank)
     ]
     return process
@@ -288,7 +290,7 @@ def test_sigterm_makes_both_ranks_save_one_step_and_the_rerun_resumes_there(tmp_
 
     # 2. The rerun resumes there. SIGTERM to torchrun, which passes it on to both ranks (and
     # then exits 1 itself, re-raising the signal it got): they save one step again.
-    second = _signal_after_first_save(cmd, lambda launcher: psutil.Process(launcher.pid))
+    second = _signal_after_first_save(cmd, lambda launcher: launcher)
     assert f"resumed from step {step}" in second.stdout, second.stdout[-5000:]
     again = _preempted(second.stdout)
     assert again > step and _committed(ckpt)[-1] == again
