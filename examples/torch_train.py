@@ -263,25 +263,21 @@ def main(argv=None) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
         if preempted is not None:
             console.print(f"preempted: step {preempted} saved; run the same command to resume")
-            return _finish(0)
-        mngr.wait_until_finished()
-        model.eval()
-        with torch.no_grad():
-            acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-        digest = parameter_digest(model)
-        console.print(
-            f"done: step {args.steps}, test accuracy {acc:.3f}, {len(saves)} saves this run, "
-            f"checkpoints on disk: {mngr.all_steps()}",
-            highlight=False,
-        )
-        console.print(f"parameter digest: {digest}", highlight=False)
-    return _finish(0)
-
-
-def _finish(code: int) -> int:
+        else:
+            mngr.wait_until_finished()
+            model.eval()
+            with torch.no_grad():
+                acc = (model(x_test).argmax(1) == y_test).float().mean().item()
+            digest = parameter_digest(model)
+            console.print(
+                f"done: step {args.steps}, test accuracy {acc:.3f}, {len(saves)} saves this "
+                f"run, checkpoints on disk: {mngr.all_steps()}",
+                highlight=False,
+            )
+            console.print(f"parameter digest: {digest}", highlight=False)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return code
+    return 0
 
 
 if __name__ == "__main__":
