@@ -459,6 +459,8 @@ class CheckpointManager:
 
     def _retire(self) -> None:
         """Drops the steps that retention no longer keeps: rank 0 decides and deletes them."""
+        if self._best is None and self._max_to_keep is None:
+            return  # everything is kept: no collective needed
         doomed = self._ranks.lead(self._doomed, group=self._ranks.writes)
         with self._lock:
             self._steps = [s for s in self._steps if s not in doomed]
