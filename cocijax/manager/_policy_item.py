@@ -20,8 +20,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from cocijax._digest import KEY as DIGEST_KEY
-from cocijax._digest import check_digest, with_digest
+from cocijax.storage import DIGEST_KEY, check_digest, with_digest
 
 __all__ = ["PolicyStateHandler", "PolicyStateRestore", "PolicyStateSave"]
 

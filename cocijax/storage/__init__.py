@@ -6,10 +6,13 @@ This package owns everything about those files; the names below are all that cod
 uses: the handler and its args, reading and verifying what it wrote (:func:`read_manifest`,
 :func:`verify`), and what a manager needs to refuse a tree before saving it
 (:func:`check_tree`), to collect the stripes no step references
-(:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`)
-and to make a rename or a new directory durable (:func:`fsync_dir`, :func:`make_dirs`).
+(:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`),
+to make a rename or a new directory durable (:func:`fsync_dir`, :func:`make_dirs`), and the
+digest a JSON document carries of itself (:func:`with_digest`, :func:`check_digest`), which the
+manifest and the manager's policy item share.
 """
 
+from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
 from cocijax.storage._manifest import (
     MANIFEST_NAME,
@@ -32,6 +35,7 @@ from cocijax.storage._read import verify
 from cocijax.storage._tree import UnsupportedLeafError
 
 __all__ = [
+    "DIGEST_KEY",
     "MANIFEST_NAME",
     "STRIPE_PREFIX",
     "CheckpointFormatError",
@@ -44,6 +48,7 @@ __all__ = [
     "StripedRestore",
     "StripedSave",
     "UnsupportedLeafError",
+    "check_digest",
     "check_tree",
     "find_stripe_dirs",
     "fsync_dir",
@@ -52,4 +57,5 @@ __all__ = [
     "referenced_stripe_dirs",
     "unreferenced_stripe_dirs",
     "verify",
+    "with_digest",
 ]

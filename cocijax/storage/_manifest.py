@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cocijax._digest import check_digest, with_digest
 from cocijax.storage import _schema, _tree
+from cocijax.storage._digest import check_digest, with_digest
 
 log = logging.getLogger(__name__)
 

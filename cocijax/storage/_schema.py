@@ -5,7 +5,7 @@ may still parse. Everything the restore and verify paths take from it is checked
 so that such a manifest is a :class:`CheckpointFormatError` naming the field, never an
 ``IndexError`` deep in a restore, an allocation of a made-up size, or a read outside the roots.
 What a check cannot see (a changed inline value or dtype that is still valid) is caught by the
-manifest's digest (``cocijax/_digest.py``); manifests written before the digest lack it.
+manifest's digest (``_digest``); manifests written before the digest lack it.
 """
 
 from __future__ import annotations
