@@ -20,7 +20,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from orbax.checkpoint._src.path import atomicity
+from orbax.checkpoint.path import atomicity
 
 from cocijax import storage
 
@@ -40,7 +40,8 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 def fsync_tree(top: Path) -> None:
     """fsyncs every file and directory under ``top`` (``top`` included), files first."""
-    for dirpath, _, filenames in os.walk(top, topdown=False):
+    # A directory os.walk cannot list would be skipped, left unsynced: raise instead.
+    for dirpath, _, filenames in os.walk(top, topdown=False, onerror=_raise):
         for name in filenames:
             fsync_file(os.path.join(dirpath, name))
         storage.fsync_dir(dirpath)
@@ -58,6 +59,10 @@ class DurableRenameTemporaryPath(atomicity.AtomicRenameTemporaryPath):
         await asyncio.to_thread(fsync_tree, tmp)
         await super().finalize()
         await asyncio.to_thread(_after_rename, final)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _after_rename(final: Path) -> None:

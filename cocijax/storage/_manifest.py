@@ -395,14 +395,23 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
     order. Returns ``None`` when there is nothing to merge (already merged).
 
     Raises:
-      CheckpointFormatError: the parts disagree on the tree, or some leaf is not fully covered.
+      CheckpointFormatError: the parts disagree on the tree, some leaf is not fully covered, or
+        there is neither a part nor a manifest.
+      OSError: the item directory cannot be listed, or a part read or the manifest written.
     """
     item_dir = pathlib.Path(item_dir)
+    # os.listdir, not Path.glob: glob answers "no parts" when it may not list the directory
+    # (PermissionError), and the step would then be committed without a manifest (libfiu).
+    names = [n for n in os.listdir(item_dir) if n.startswith(PART_PREFIX) and n.endswith(".json")]
     part_files = sorted(
-        item_dir.glob(f"{PART_PREFIX}*.json"), key=lambda p: int(p.stem[len(PART_PREFIX) :])
+        (item_dir / n for n in names), key=lambda p: int(p.stem[len(PART_PREFIX) :])
     )
     if not part_files:
-        return None
+        if (item_dir / MANIFEST_NAME).is_file():
+            return None
+        raise CheckpointFormatError(
+            f"{item_dir}: no manifest part to merge and no manifest: no process wrote its part."
+        )
     parts = [_read_json(p) for p in part_files]
     first = parts[0]
     roots: list[str | None] = []
@@ -470,8 +479,9 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
 
     The rule for items that cannot be read:
 
-    * no manifest, or one that is not JSON (a save that never committed, a torn write): the
-      item references nothing, so its stripes are garbage;
+    * no manifest (a save that never committed; checked twice, so that an ``open`` failing
+      with ENOENT is not taken for it), or one that is not JSON (a torn write): the item
+      references nothing, so its stripes are garbage;
     * a manifest that is JSON but cannot be interpreted (say, a newer format), or that cannot
       be read (an I/O error): ``None``, "unknown"; a collector must then remove nothing, since
       any stripe might be that item's data.
@@ -492,8 +502,16 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
         if key in _STRIPES_IN_USE:
             return _STRIPES_IN_USE[key]
         data = json.loads(manifest.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return frozenset()  # never committed, or torn: its stripes are garbage
+    except FileNotFoundError:
+        # Never committed, so its stripes are garbage, but only if the manifest is really not
+        # there: an open failing with ENOENT on an existing file (an I/O fault; libfiu injects
+        # it) must not delete a committed step's data.
+        if os.path.lexists(manifest):
+            log.warning("cannot open %s: keeping every stripe for now", manifest)
+            return None
+        return frozenset()
+    except json.JSONDecodeError:
+        return frozenset()  # torn: never committed, its stripes are garbage
     except OSError as e:
         log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
         return None  # an I/O error may pass: not remembered

@@ -77,6 +77,11 @@ def fsync_tree(top: pathlib.Path) -> None:
     TensorStore already fsynced every file and the directory holding it; the directories it
     created (``c/``, ``c/0/``) and the stripe directory itself are made durable here.
     """
-    for dirpath, _, _ in os.walk(top):
+    # A directory os.walk cannot list would be skipped, left unsynced: raise instead.
+    for dirpath, _, _ in os.walk(top, onerror=_raise):
         _manifest.fsync_dir(dirpath)
     _manifest.fsync_dir(top.parent)
+
+
+def _raise(error: OSError) -> None:
+    raise error

@@ -84,6 +84,12 @@ class Fiu:
             ctypes.c_uint,
             ctypes.c_float,
         ]
+        self.lib.fiu_enable.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_uint,
+        ]
         self.lib.fiu_disable.argtypes = [ctypes.c_char_p]
         self.lib.fiu_set_prng_seed.argtypes = [ctypes.c_uint]
 
@@ -92,6 +98,11 @@ class Fiu:
         for name in points:
             if self.lib.fiu_enable_random(name.encode(), 1, None, 0, probability) != 0:
                 raise RuntimeError(f"fiu_enable_random({name!r}) failed")
+
+    def fail(self, point: str, errno: int) -> None:
+        """Makes every call of ``point`` fail with ``errno`` (libfiu's failinfo is the errno)."""
+        if self.lib.fiu_enable(point.encode(), 1, ctypes.c_void_p(errno), 0) != 0:
+            raise RuntimeError(f"fiu_enable({point!r}) failed")
 
     def disable(self, points: tuple[str, ...] = POINTS) -> None:
         for name in points:
@@ -191,8 +202,10 @@ def main() -> int:
                 problems.append(f"{err['where']} raised without naming a path: {err}")
         listed = mngr.all_steps()
         for s in listed:
-            if storage.verify(mngr.item_directory(s)):
-                problems.append(f"listed step {s} does not verify")
+            found = storage.verify(mngr.item_directory(s))
+            if found:
+                said = "; ".join(f"{p.leaf_path} {p.file}: {p.what}" for p in found[:3])
+                problems.append(f"listed step {s} does not verify: {said}")
             elif not _same(mngr.restore(s, target=_abstract()), state(s)):
                 problems.append(f"listed step {s} restored a different tree")
         for s in before:

@@ -58,7 +58,9 @@ def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) ->
         f"trials: {done.stderr[-4000:]}"
     )
     problems = [(r["trial"], r["seed"], p) for r in records for p in r["problems"]]
-    assert not problems, "\n".join(map(str, problems[:10]))
+    # The first trial with a problem in full (its errors, log and directory) to diagnose it.
+    first = next((r for r in records if r["problems"]), None)
+    assert not problems, "\n".join(map(str, problems[:10])) + "\n" + json.dumps(first, indent=1)
     errors = Counter(f"{e['where']}: {e['type']}" for r in records for e in r["errors"])
     faulted = sum(bool(r["errors"]) for r in records)
     assert faulted > trials // 2, f"only {faulted} of {trials} trials saw an injected error"
@@ -110,3 +112,37 @@ def test_close_under_faults_releases_the_lock_and_keeps_failures_counted(tmp_pat
     crash = records["crash-then-failed-save"]
     assert crash["failures_at_open"] == 1 and crash["marker_left"]
     assert crash["failures"] == 1 and crash["failures_after_clean_close"] == 1
+
+
+def test_aimed_faults_never_delete_a_committed_step_or_commit_without_manifest(
+    tmp_path: Path,
+) -> None:
+    """The two irreversible decisions the random trials caught going wrong, with certain faults.
+
+    ``_fiu_aimed.py``: garbage collection asks which stripes two committed steps reference
+    while every ``open`` fails with ENOENT (it must answer "unknown", and nothing is removed);
+    the handler merges a manifest part while every ``opendir`` fails with EACCES (it must
+    raise, not report "nothing to merge", which let Orbax commit a step without a manifest).
+    """
+    fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
+    done = subprocess.run(
+        [fiu_run, "-x", sys.executable, str(HERE / "_fiu_aimed.py"), str(tmp_path)],
+        cwd=HERE,
+        env=child_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    records = {
+        r["scenario"]: r
+        for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    }
+    assert len(records) == 2, f"status {done.returncode}: {done.stderr[-4000:]}"
+    for name, r in records.items():
+        assert "crashed" not in r, f"{name}: {r['crashed']}"
+    gc = records["gc-open-enoent"]
+    assert gc["garbage"] is None, f"collected a committed step's stripes: {gc['garbage']}"
+    assert gc["intact"] == [True, True]
+    merge = records["merge-opendir-eacces"]
+    assert merge["merge"].startswith("PermissionError") and str(tmp_path) in merge["merge"], merge
+    assert not merge["manifest_after_fault"] and merge["verifies_after_merge"], merge

@@ -146,6 +146,14 @@ def test_merge_refuses_incomplete_coverage(saved):
         handler.finalize(item)
 
 
+def test_merge_without_part_or_manifest_raises(saved):
+    """No part and no manifest: no process wrote one, so finalize must fail, not commit."""
+    handler, item = saved
+    (item / cj.storage.MANIFEST_NAME).unlink()
+    with pytest.raises(cj.storage.CheckpointFormatError, match="no manifest part"):
+        handler.finalize(item)
+
+
 def test_manifest_json_is_plain_and_versioned(saved):
     _, item = saved
     data = json.loads((item / cj.storage.MANIFEST_NAME).read_text())
