@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
-from _fiu_worker import HANDLER_OPTIONS, Fiu, state
+from _fiu_worker import Fiu, exit_after, open_manager, state
 
 import cocijax as cj
 from cocijax import storage
@@ -32,10 +32,7 @@ from cocijax.storage import _manifest
 
 
 def gc_open_enoent(base: Path, fiu: Fiu) -> dict[str, Any]:
-    roots = [base / "root0", base / "root1"]
-    with cj.CheckpointManager(
-        base / "ckpt", roots=roots, policy=cj.policies.fixed(1), handler_options=HANDLER_OPTIONS
-    ) as mngr:
+    with open_manager(base) as mngr:
         for step in (1, 2):
             mngr.save(step, state(step), loss=1.0, force=True)
         mngr.wait_until_finished()
@@ -93,8 +90,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    import os
-
-    status = main()
-    sys.stdout.flush()
-    os._exit(status)  # see _fiu_worker.py: Orbax's commit threads may hold a normal exit
+    exit_after(main)

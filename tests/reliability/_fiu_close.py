@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _fiu_worker import HANDLER_OPTIONS, Fiu
+from _fiu_worker import Fiu, exit_after, open_manager
 
 import cocijax as cj
 from cocijax.manager._history import MARKER
@@ -29,16 +29,6 @@ from cocijax.manager._lock import DirectoryLock
 
 def state(step: int) -> dict[str, Any]:
     return {"w": np.full((64, 64), step, np.float32), "step": np.int64(step)}
-
-
-def open_manager(base: Path) -> cj.CheckpointManager:
-    return cj.CheckpointManager(
-        base / "ckpt",
-        roots=[base / "root0", base / "root1"],
-        policy=cj.policies.fixed(1),
-        max_to_keep=3,
-        handler_options=HANDLER_OPTIONS,
-    )
 
 
 def text(e: BaseException) -> str:
@@ -120,8 +110,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    import os
-
-    status = main()
-    sys.stdout.flush()
-    os._exit(status)  # see _fiu_worker.py: Orbax's commit threads may hold a normal exit
+    exit_after(main)

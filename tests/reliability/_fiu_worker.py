@@ -38,10 +38,12 @@ import os
 import random
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+from reliability_helpers import orphaned_stripes, two_root_manager
 
 # posix/io/* without: its network points (they break asyncio's self-pipe, not our files); the
 # */reduce points (short reads and writes: libfiu 1.1 divides by the length asked for, so a
@@ -70,6 +72,11 @@ def state(step: int) -> dict[str, Any]:
         "b": rng.standard_normal((100,)).astype(np.float32),
         "step": np.int64(step),
     }
+
+
+def open_manager(base: Path) -> Any:
+    """The manager of every trial: two external roots under ``base``, ``max_to_keep=3``."""
+    return two_root_manager(base, max_to_keep=MAX_TO_KEEP, handler_options=HANDLER_OPTIONS)
 
 
 class Fiu:
@@ -136,24 +143,13 @@ def _abstract() -> Any:
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
-    import cocijax as cj
     from cocijax import storage
 
     base = Path(cfg["base"])
     fiu = Fiu()
-
-    def open_manager():
-        return cj.CheckpointManager(
-            base / "ckpt",
-            roots=[base / "root0", base / "root1"],
-            policy=cj.policies.fixed(1),
-            max_to_keep=MAX_TO_KEEP,
-            handler_options=HANDLER_OPTIONS,
-        )
-
     log = _Log()
     logging.getLogger().addHandler(log)
-    mngr = open_manager()
+    mngr = open_manager(base)
     # A trial that hangs prints every thread's stack and ends the process (the test fails).
     faulthandler.enable()
     step = 1
@@ -191,7 +187,7 @@ def main() -> int:
             fiu.disable()
         problems: list[str] = []
         if closes:
-            mngr = open_manager()
+            mngr = open_manager(base)
         else:
             try:  # a failure reported already is not reported again
                 mngr.wait_until_finished()
@@ -222,14 +218,8 @@ def main() -> int:
             problems.append(f"the save after the faults did not commit: {after}")
         if len(after) > MAX_TO_KEEP:
             problems.append(f"{len(after)} steps listed after a clean save: {after}")
-        referenced = set()
-        for s in after:
-            referenced |= {
-                p.resolve() for p in storage.referenced_stripe_dirs(mngr.item_directory(s))
-            }
-        stripes = {p.resolve() for r in mngr.stripe_roots for p in storage.find_stripe_dirs(r)}
-        if stripes - referenced:
-            problems.append(f"orphaned stripe directories: {sorted(stripes - referenced)}")
+        if orphans := orphaned_stripes(mngr):
+            problems.append(f"orphaned stripe directories: {orphans}")
         print(
             json.dumps(
                 {
@@ -275,9 +265,16 @@ def _error(where: str, e: BaseException) -> dict[str, str]:
     }
 
 
-if __name__ == "__main__":
+def exit_after(main: Callable[[], int]) -> NoReturn:
+    """Runs ``main`` and ends the process with its status, without the interpreter's exit.
+
+    A save that failed inside Orbax's synchronous part leaves Orbax's commit threads waiting
+    for signals until its timeout (300 s), which would hold the interpreter's exit.
+    """
     status = main()
     sys.stdout.flush()
-    # A save that failed inside Orbax's synchronous part leaves Orbax's commit threads waiting
-    # for signals until its timeout (300 s), which would hold the interpreter's exit: skip it.
     os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_after(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from reliability_helpers import two_root_manager
 
 STEPS = ((1,), (2, 3), (4,), (5,))
 MAX_TO_KEEP = 2
@@ -42,17 +43,8 @@ def state(step: int) -> dict[str, Any]:
     }
 
 
-def open_manager(base: Path, **kwargs: Any):
-    import cocijax as cj
-
-    return cj.CheckpointManager(
-        base / "ckpt",
-        roots=[base / "root0", base / "root1"],
-        policy=cj.policies.fixed(1),
-        max_to_keep=MAX_TO_KEEP,
-        handler_options=HANDLER_OPTIONS,
-        **kwargs,
-    )
+def open_manager(base: Path) -> Any:
+    return two_root_manager(base, max_to_keep=MAX_TO_KEEP, handler_options=HANDLER_OPTIONS)
 
 
 def mark(name: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -43,7 +44,10 @@ ODD_VALUES = st.sampled_from(
     [None, True, -1, 0, 2**64, 10**400, 1e308, float("nan"), float("inf"), "x", [], {}, [[[]]]]
 )
 KINDS = ["truncate", "flip", "field", "drop", "plausible", "nest"]
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Examples per manifest test; the policy-item test, which opens a manager each time, runs 30 %
+# of that. COCIJAX_FUZZ_EXAMPLES raises both for a long run.
+EXAMPLES = int(os.environ.get("COCIJAX_FUZZ_EXAMPLES", "200"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HANDLER = {"small_bytes": 64, "piece_bytes": 4096, "chunk_bytes": 1024}
 
 
@@ -258,7 +262,11 @@ def _same_state(a: Any, b: Any) -> bool:
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=max(1, EXAMPLES * 3 // 10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_a_mutated_policy_item_never_fails_open_or_restore(run, data, tmp_path_factory) -> None:
     directory = tmp_path_factory.mktemp("damaged", numbered=True) / "ckpt"

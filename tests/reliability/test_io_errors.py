@@ -71,17 +71,11 @@ def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) ->
     )
 
 
-def test_close_under_faults_releases_the_lock_and_keeps_failures_counted(tmp_path: Path) -> None:
-    """A close that fails (a failed save, a marker that cannot be removed) still unlocks.
-
-    ``_fiu_close.py`` runs three scenarios in one process under ``fiu-run``; after each, the
-    same process opens the directory again. What the next run must count: nothing after a
-    failed save (the run did close); one failure after a marker that could not be removed
-    (it cannot tell); after a crash, the crash once, until a committed save records it.
-    """
+def _scenarios(script: str, tmp_path: Path, count: int) -> dict[str, dict]:
+    """Runs a scenario script under ``fiu-run``; its records by scenario, all completed."""
     fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
     done = subprocess.run(
-        [fiu_run, "-x", sys.executable, str(HERE / "_fiu_close.py"), str(tmp_path)],
+        [fiu_run, "-x", sys.executable, str(HERE / script), str(tmp_path)],
         cwd=HERE,
         env=child_env(1),
         capture_output=True,
@@ -92,9 +86,22 @@ def test_close_under_faults_releases_the_lock_and_keeps_failures_counted(tmp_pat
         r["scenario"]: r
         for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
     }
-    assert len(records) == 3, f"status {done.returncode}: {done.stderr[-4000:]}"
+    assert len(records) == count, f"status {done.returncode}: {done.stderr[-4000:]}"
     for name, r in records.items():
         assert "crashed" not in r, f"{name}: {r['crashed']}"
+    return records
+
+
+def test_close_under_faults_releases_the_lock_and_keeps_failures_counted(tmp_path: Path) -> None:
+    """A close that fails (a failed save, a marker that cannot be removed) still unlocks.
+
+    ``_fiu_close.py`` runs three scenarios in one process under ``fiu-run``; after each, the
+    same process opens the directory again. What the next run must count: nothing after a
+    failed save (the run did close); one failure after a marker that could not be removed
+    (it cannot tell); after a crash, the crash once, until a committed save records it.
+    """
+    records = _scenarios("_fiu_close.py", tmp_path, 3)
+    for name, r in records.items():
         assert r["errors"], f"{name}: no injected error surfaced"
         assert all(str(tmp_path / name) in e for e in r["errors"]), r["errors"]
         assert r["lock_free"], f"{name}: the failed close kept the lock"
@@ -124,22 +131,7 @@ def test_aimed_faults_never_delete_a_committed_step_or_commit_without_manifest(
     the handler merges a manifest part while every ``opendir`` fails with EACCES (it must
     raise, not report "nothing to merge", which let Orbax commit a step without a manifest).
     """
-    fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
-    done = subprocess.run(
-        [fiu_run, "-x", sys.executable, str(HERE / "_fiu_aimed.py"), str(tmp_path)],
-        cwd=HERE,
-        env=child_env(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    records = {
-        r["scenario"]: r
-        for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
-    }
-    assert len(records) == 2, f"status {done.returncode}: {done.stderr[-4000:]}"
-    for name, r in records.items():
-        assert "crashed" not in r, f"{name}: {r['crashed']}"
+    records = _scenarios("_fiu_aimed.py", tmp_path, 2)
     gc = records["gc-open-enoent"]
     assert gc["garbage"] is None, f"collected a committed step's stripes: {gc['garbage']}"
     assert gc["intact"] == [True, True]

@@ -15,7 +15,10 @@ manifests record absolute paths) and checked:
   it passes is listed, a listed one passes);
 * the next save succeeds and restores, and leaves no stripe directory that no step references.
 
-``COCIJAX_POWERLOSS_STATES`` limits how many distinct states are checked (default: all).
+``COCIJAX_POWERLOSS_STATES`` limits how many distinct states are checked per recording
+(default: all); ``COCIJAX_POWERLOSS_RECORDINGS`` records and checks the run that many times
+(default 1): its threads interleave differently each time, so each recording orders the
+writes, syncs and renames of the pieces, manifests and commits its own way.
 Needs ``strace`` (installed by ``make test`` where it can); skipped without it, except under CI.
 """
 
@@ -34,13 +37,14 @@ import pytest
 from _powerloss_writer import MAX_TO_KEEP as MAX
 from _powerloss_writer import open_manager, state
 from crash_states import CrashState, crash_states, rebuild, strace_command
-from reliability_helpers import HERE, child_env, item_dir, pieces, require_tool
+from reliability_helpers import HERE, child_env, item_dir, orphaned_stripes, pieces, require_tool
 
 from cocijax import storage
 
 pytestmark = pytest.mark.xdist_group("reliability-power-loss")
 
 LIMIT = int(os.environ.get("COCIJAX_POWERLOSS_STATES", "0")) or None
+RECORDINGS = int(os.environ.get("COCIJAX_POWERLOSS_RECORDINGS", "1"))
 NEXT_STEP = 100
 
 
@@ -110,20 +114,17 @@ def check_state(crash: CrashState, base: Path) -> list[str]:
             mngr.restore(NEXT_STEP), state(NEXT_STEP)
         ):
             problems.append("the next save did not commit a restorable step")
-        referenced = set()
-        for step in mngr.all_steps():
-            referenced |= {
-                p.resolve() for p in storage.referenced_stripe_dirs(mngr.item_directory(step))
-            }
-        stripes = {p.resolve() for r in mngr.stripe_roots for p in storage.find_stripe_dirs(r)}
-        if stripes - referenced:
-            problems.append(f"orphaned stripes after the next save: {sorted(stripes - referenced)}")
+        if orphans := orphaned_stripes(mngr):
+            problems.append(f"orphaned stripes after the next save: {orphans}")
     finally:
         mngr.close()
     return problems
 
 
-def test_every_crash_state_of_a_save_opens_restores_and_saves_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recording", range(RECORDINGS))
+def test_every_crash_state_of_a_save_opens_restores_and_saves_again(
+    tmp_path: Path, recording: int
+) -> None:
     require_tool("strace", "records the file-system operations of a save")
     started = time.monotonic()
     trace, base = _record(tmp_path)
@@ -148,9 +149,9 @@ def test_every_crash_state_of_a_save_opens_restores_and_saves_again(tmp_path: Pa
     boundaries = len({(s.boundary) for s in states})
     kinds = Counter(s.before.split("@")[0] for s in states if s.model == "posix")
     print(
-        f"\npower loss: {len(states)} crash states ({boundaries} boundaries: {dict(kinds)}; "
-        f"x 2 models), {len(distinct)} distinct, {len(checked)} checked, "
-        f"{len(failures)} with problems; recording {recorded - started:.1f} s, "
+        f"\npower loss, recording {recording}: {len(states)} crash states ({boundaries} "
+        f"boundaries: {dict(kinds)}; x 2 models), {len(distinct)} distinct, {len(checked)} "
+        f"checked, {len(failures)} with problems; recording {recorded - started:.1f} s, "
         f"checks {time.monotonic() - recorded:.1f} s"
     )
     assert not failures, "\n".join(map(str, failures[:10]))
