@@ -98,10 +98,22 @@ class CommittedStepFormat:
         return (m for m in self.inner.find_all(base_path) if is_committed(Path(m.path)))
 
     def find_step(self, base_path: Any, step: int) -> Any:
-        metadata = self.inner.find_step(base_path, step)
+        try:
+            metadata = self.inner.find_step(base_path, step)
+        except ValueError as e:
+            raise _NoSuchStep(f"{e} (deleted, or never committed)") from e
         if not is_committed(Path(metadata.path)):
-            raise ValueError(f"{metadata.path}: step {step} has no valid cocijax manifest.")
+            raise _NoSuchStep(f"{metadata.path}: step {step} has no valid cocijax manifest.")
         return metadata
+
+
+class _NoSuchStep(FileNotFoundError, ValueError):
+    """No committed step of that number: Orbax's ``find_step`` raises a ``ValueError``.
+
+    Also a ``FileNotFoundError``, which is what Orbax's metrics reader expects of a missing
+    step: a read-only manager that opens while the writer deletes a step it has just listed
+    then opens without that step's metrics, instead of failing with the ``ValueError``.
+    """
 
 
 def check_layout(directory: Path) -> list[Path]:

@@ -108,9 +108,10 @@ def reader(cfg: dict[str, Any]) -> dict[str, Any]:
     retries = _Retries()
     logging.getLogger("cocijax").addHandler(retries)
     logging.getLogger("cocijax").setLevel(logging.INFO)
-    counts = {"newest": 0, "listed": 0, "deleted": 0, "gone": 0, "verify": 0}
+    counts = {"newest": 0, "listed": 0, "deleted": 0, "gone": 0, "verify": 0, "opened": 0}
     problems: list[str] = []
-    mngr = cj.CheckpointManager(base / "ckpt", options=ocp.CheckpointManagerOptions(read_only=True))
+    read_only = ocp.CheckpointManagerOptions(read_only=True)
+    mngr = cj.CheckpointManager(base / "ckpt", options=read_only)
     seen = set()
     i = 0
     while not (base / "done").exists():
@@ -140,6 +141,14 @@ def reader(cfg: dict[str, Any]) -> dict[str, Any]:
                     f"restore({listed}): {type(e).__name__}: {e} "
                     + "".join(traceback.format_exception(e))[-1500:]
                 )
+        if i % cfg.get("open_every", 3) == 1:
+            # A new reader opening now: Orbax lists the steps, then reads their metrics, and
+            # the writer may delete one in between.
+            try:
+                cj.CheckpointManager(base / "ckpt", options=read_only).close()
+                counts["opened"] += 1
+            except Exception as e:
+                problems.append(f"opening a reader: {type(e).__name__}: {e}"[:2000])
         if i % cfg.get("verify_every", 3) == 0:
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

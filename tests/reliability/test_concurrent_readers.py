@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,12 +126,33 @@ def test_readers_in_a_loop_never_see_a_mixed_or_partial_tree(tmp_path: Path) -> 
     saved = json.loads((tmp_path / "done").read_text())["steps"]
     for r in results:
         assert r["problem_count"] == 0, r["problems"]
-        assert r["counts"]["newest"] > 0 and r["counts"]["verify"] > 0, r
+        assert all(r["counts"][k] > 0 for k in ("newest", "verify", "opened")), r
     total = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
     print(
         f"\nreaders: the writer saved {saved} steps in {DURATION_S:.0f} s (max_to_keep=1); "
         f"2 readers: {total['newest']} restore() and {total['listed']} restore(step) returned "
         f"a complete step, {total['retried']} restore() retried with the newest step, "
         f"{total['deleted']} StepDeletedError and {total['gone']} FileNotFoundError (step "
-        f"deleted before the call), {total['verify']} verify runs with status 0; 0 problems"
+        f"deleted before the call), {total['verify']} verify runs with status 0, "
+        f"{total['opened']} read-only managers opened; 0 problems"
     )
+
+
+def test_a_reader_opening_while_a_step_is_deleted_reads_no_metrics_of_it(tmp_path: Path) -> None:
+    """Orbax's open lists the steps, then reads each one's metrics; the writer may delete one
+    in between. Orbax skips metrics it finds missing (``FileNotFoundError``): the step must be
+    reported missing that way, not with the ``ValueError`` that failed the reader's open."""
+    import orbax.checkpoint as ocp
+
+    directory = tmp_path / "ckpt"
+    with cj.CheckpointManager(directory, policy=cj.policies.fixed(1)) as writer:
+        for step in (1, 2):
+            writer.save(step, state(step, 8), loss=1.0, force=True, metrics={"loss": 1.0})
+    reader = cj.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        assert reader.orbax.metrics(1) == {"loss": 1.0}
+        shutil.rmtree(directory / "1")  # what the writer's retention does after the listing
+        assert reader.orbax.metrics(1) is None
+        assert reader.all_steps() == [2]
+    finally:
+        reader.close()
