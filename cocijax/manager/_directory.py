@@ -11,6 +11,7 @@ and valid.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -95,7 +96,15 @@ class CommittedStepFormat:
         return self.inner.build_name(step)
 
     def find_all(self, base_path: Any) -> Iterator[Any]:
-        return (m for m in self.inner.find_all(base_path) if is_committed(Path(m.path)))
+        for metadata in self.inner.find_all(base_path):
+            if not is_committed(Path(metadata.path)):
+                continue
+            try:
+                # Read now: Orbax reads it later, when a writer may have deleted the step.
+                committed_at = metadata.commit_timestamp
+            except FileNotFoundError:
+                continue  # deleted since it was listed
+            yield _ListedStep(metadata.step, metadata.path, committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
         try:
@@ -105,6 +114,22 @@ class CommittedStepFormat:
         if not is_committed(Path(metadata.path)):
             raise _NoSuchStep(f"{metadata.path}: step {step} has no valid cocijax manifest.")
         return metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _ListedStep(ocp.path.step.Metadata):
+    """A step as listed, with its commit time read while it was there.
+
+    Orbax's own metadata reads the commit time when asked (the step directory's mtime when its
+    metadata file has none), and a reader opening while the writer deletes a step it has just
+    listed failed with ``FileNotFoundError``.
+    """
+
+    committed_at: datetime.datetime
+
+    @property
+    def commit_timestamp(self) -> datetime.datetime:
+        return self.committed_at
 
 
 class _NoSuchStep(FileNotFoundError, ValueError):

@@ -148,7 +148,10 @@ def reader(cfg: dict[str, Any]) -> dict[str, Any]:
                 cj.CheckpointManager(base / "ckpt", options=read_only).close()
                 counts["opened"] += 1
             except Exception as e:
-                problems.append(f"opening a reader: {type(e).__name__}: {e}"[:2000])
+                problems.append(
+                    f"opening a reader: {type(e).__name__}: {e} "
+                    + "".join(traceback.format_exception(e))[-2500:]
+                )
         if i % cfg.get("verify_every", 3) == 0:
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

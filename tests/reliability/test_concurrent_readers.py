@@ -138,20 +138,26 @@ def test_readers_in_a_loop_never_see_a_mixed_or_partial_tree(tmp_path: Path) -> 
     )
 
 
-def test_a_reader_opening_while_a_step_is_deleted_reads_no_metrics_of_it(tmp_path: Path) -> None:
-    """Orbax's open lists the steps, then reads each one's metrics; the writer may delete one
-    in between. Orbax skips metrics it finds missing (``FileNotFoundError``): the step must be
-    reported missing that way, not with the ``ValueError`` that failed the reader's open."""
+def test_a_reader_opening_while_a_step_is_deleted_does_not_fail(tmp_path: Path) -> None:
+    """Orbax's open lists the steps, then reads each one's commit time and metrics; the writer
+    may delete a step in between (both failed readers' opens in the loop above). Here the
+    deletion lands exactly there: the commit time is the one read at listing, and the metrics
+    of the deleted step are missing (``FileNotFoundError``, which Orbax skips), not a
+    ``ValueError``."""
     import orbax.checkpoint as ocp
+
+    from cocijax.manager._directory import CommittedStepFormat
 
     directory = tmp_path / "ckpt"
     with cj.CheckpointManager(directory, policy=cj.policies.fixed(1)) as writer:
         for step in (1, 2):
             writer.save(step, state(step, 8), loss=1.0, force=True, metrics={"loss": 1.0})
+    listed = list(CommittedStepFormat().find_all(directory))
     reader = cj.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
         assert reader.orbax.metrics(1) == {"loss": 1.0}
         shutil.rmtree(directory / "1")  # what the writer's retention does after the listing
+        assert sorted(m.step for m in listed) == [1, 2] and all(m.commit_timestamp for m in listed)
         assert reader.orbax.metrics(1) is None
         assert reader.all_steps() == [2]
     finally:
