@@ -28,6 +28,9 @@ How ``w`` is estimated, from the losses alone:
 ``horizon_range`` times the steps done so far: the weight used is the geometric middle of the two
 ends' weights, kept on Young's side of both (so that no end in the range makes the step's
 decision worse than Young's rule), and the plan is open-ended (it never skips a last save).
+The default range, 4 to 40, was measured on ``policy_bench``'s 45 curves (scenarios A and B):
+2 to 20 was up to 9.5% worse than the best classic policy (3 cases above 1%), 8 to 80 up to
+12.2% (8 cases), 4 to 40 at most 0.7% (median capture 37% against 2 to 20's 31%).
 Until ``min_points`` finite losses have been seen (and, without ``total_steps``, until the two
 averages lag apart by a step), ``w = 1`` (Young's rule).
 ``w`` is clamped to ``[time_weight, max_weight]`` so that a bad estimate cannot gamble the
@@ -87,7 +90,7 @@ def coci(
     prior_recovery_s: float = DEFAULT_PRIOR_RECOVERY_S,
     max_weight: float = 16.0,
     decay: float = 0.5,
-    horizon_range: tuple[float, float] = (2.0, 20.0),
+    horizon_range: tuple[float, float] = (4.0, 40.0),
     replan_fraction: float = 0.5,
     min_points: int = 3,
     cost_prior_s: float = 10.0,
