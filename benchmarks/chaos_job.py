@@ -23,7 +23,8 @@ state an uninterrupted one ends with; the ``done`` record carries a digest of th
 
 **Configurations** (``--config``): ``coci``, ``young``, ``daly`` checkpoint through
 ``cj.CheckpointManager`` with the policy of that name, given ``--mtbf`` (and ``coci`` the job's
-length); ``orbax-fixed`` through Orbax's own ``ocp.CheckpointManager`` with
+length), and ``--cost-prior`` if set (the save cost assumed until the first save is timed);
+``orbax-fixed`` through Orbax's own ``ocp.CheckpointManager`` with
 ``save_interval_steps=--every``; ``no-failures`` never checkpoints.
 
 **The log** (``--log``, JSON lines, appended and line-buffered so that a SIGKILL loses at most
@@ -41,7 +42,6 @@ the machine (CLOCK_MONOTONIC on Linux), so the supervisor's kill times compare w
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import math
@@ -91,29 +91,38 @@ class Job:
     """The model, its optimisers and its compiled training step."""
 
     def __init__(self, args: argparse.Namespace, text: np.ndarray):
-        self.buckets, self.batch = args.buckets, args.batch
+        self.buckets, self.dim, self.hidden, self.batch = (
+            args.buckets, args.dim, args.hidden, args.batch
+        )
         self.text = jnp.asarray(text)
         self.n_text = text.size
-        head = Head(dim=args.dim, hidden=args.hidden, rngs=nnx.Rngs(JOB_SEED))
-        self.graphdef, head_params = nnx.split(head)
-        self._head_params = nnx.to_pure_dict(head_params)
-        self.dim = args.dim
+        # The module's structure only: its values come from `init` or from a checkpoint.
+        self.graphdef, _ = nnx.split(nnx.eval_shape(self._head))
         lr = optax.cosine_decay_schedule(args.lr, args.steps, alpha=0.05)
         self.head_tx = optax.adamw(lr)
         # The table's rows are updated only where the batch uses them ("lazy" Adam): optax's
         # Adam runs on the gathered rows and their gathered moments.
         self.table_tx = optax.adam(lr)
 
+    def _head(self) -> Head:
+        return Head(dim=self.dim, hidden=self.hidden, rngs=nnx.Rngs(JOB_SEED))
+
     def init(self) -> dict:
-        """A fresh state (random table, zero moments)."""
-        key = jax.random.key(JOB_SEED)
-        table = 0.02 * jax.random.normal(key, (self.buckets, self.dim), jnp.float32)
-        return {
-            "table": table,
-            "head": self._head_params,
-            "table_opt": self.table_tx.init(table),
-            "head_opt": self.head_tx.init(self._head_params),
-        }
+        """A fresh state (random table and head, zero moments), computed in one compiled call."""
+
+        @jax.jit
+        def fresh():
+            head = nnx.to_pure_dict(nnx.split(self._head())[1])
+            key = jax.random.key(JOB_SEED)
+            table = 0.02 * jax.random.normal(key, (self.buckets, self.dim), jnp.float32)
+            return {
+                "table": table,
+                "head": head,
+                "table_opt": self.table_tx.init(table),
+                "head_opt": self.head_tx.init(head),
+            }
+
+        return fresh()
 
     def abstract(self) -> dict:
         """The state's shapes and dtypes, on the default device (a restore target)."""
@@ -200,6 +209,8 @@ class Checkpoints:
             )
         elif args.config != "no-failures":
             kw = {"mtbf_s": args.mtbf}
+            if args.cost_prior is not None:
+                kw["cost_prior_s"] = args.cost_prior
             if args.config == "coci":
                 kw["total_steps"] = args.steps
             self.mngr = cj.CheckpointManager(
@@ -265,6 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log", type=Path, required=True, help="JSON-lines log, appended")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--mtbf", type=float, help="MTBF in seconds told to cocijax policies")
+    p.add_argument("--cost-prior", type=float, help="cost_prior_s of cocijax policies")
     p.add_argument("--every", type=int, help="orbax-fixed: save_interval_steps")
     p.add_argument("--max-to-keep", type=int, default=2)
     p.add_argument("--buckets", type=int, default=2**19, help="embedding table rows")
