@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -77,6 +78,7 @@ FULL = dict(seeds=3, steps=3000, mtbf=30.0)
 QUICK = dict(seeds=1, steps=1000, mtbf=20.0)
 TINY_JOB = ["--buckets", "4096", "--dim", "8", "--hidden", "32", "--batch", "64"]
 CALIBRATION = dict(steps=400, every=100)  # the Orbax save cost a user would measure
+SETUP = "setup.json"  # in the work directory: what --analyse needs besides the logs
 
 
 # -- running the job ---------------------------------------------------------------------------
@@ -187,12 +189,17 @@ class Attempt:
     """One process of a run, as its log tells it."""
 
     spawn: float
-    ready: float | None = None
+    ready: float | None = None  # when it started training
+    phases: dict[str, float] = field(default_factory=dict)  # when each phase of its start ended
     restored: int = 0
     steps: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t, loss)
     saves: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t0, t1)
     kill: float | None = None
     digest: str | None = None
+
+    def stalls(self, t0: float, t1: float) -> float:
+        """Seconds its saves that began in ``[t0, t1)`` blocked."""
+        return sum(b - a for _, a, b in self.saves if t0 <= a < t1)
 
 
 def read_log(path: Path) -> list[Attempt]:
@@ -203,7 +210,11 @@ def read_log(path: Path) -> list[Attempt]:
         if event == "spawn":
             attempts.append(Attempt(spawn=r["t"]))
         elif event == "ready":
-            attempts[-1].ready, attempts[-1].restored = r["t"], r["restored"] or 0
+            att = attempts[-1]
+            att.ready, att.restored = r["t"], r["restored"] or 0
+            att.phases = {
+                k: r[k] for k in ("imports", "open", "restore", "init", "compile") if k in r
+            }
         elif event == "save":
             attempts[-1].saves.append((r["step"], r["t0"], r["t1"]))
         elif event == "kill":
@@ -215,6 +226,9 @@ def read_log(path: Path) -> list[Attempt]:
     return attempts
 
 
+PHASES = ("start", "open", "restore", "compile")  # of a restart, in order
+
+
 @dataclass
 class Measured:
     """What one run did (seconds)."""
@@ -222,21 +236,22 @@ class Measured:
     wall_s: float
     failure_times: list[float]  # since the start of training, the failures that struck
     save_steps: list[int]  # every save started before the end (replays included)
+    save_times: list[float]  # when each began, since the start of training
     stall_s: float
     recompute_s: float
     recompute_weighted_s: float
     recovery_s: float
-    recoveries: list[float]  # each completed recovery (kill to the start of training)
+    restarts: list[dict[str, float]]  # each completed recovery's phases (PHASES)
+    lost_saves: int  # saves a failure destroyed before they were committed
     step_time_s: float  # mean, stalls excluded
     losses: np.ndarray  # loss of each step, from the process that finished it last
+    curves: list[np.ndarray]  # per process: (seconds since the start of training, loss) rows
+    down: list[tuple[float, float]]  # each recovery, from the kill to the start of training
     digest: str | None
-    curve: list[tuple[float, float]]  # (seconds since the start of training, loss)
-    kills: list[float]
-    save_times: list[float]
 
-
-def stalls_between(att: Attempt, t0: float, t1: float) -> float:
-    return sum(b - a for _, a, b in att.saves if t0 <= a < t1)
+    @property
+    def recoveries(self) -> list[float]:
+        return [sum(r.values()) for r in self.restarts]
 
 
 def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -> Measured:
@@ -244,54 +259,63 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
     w = np.ones(n_steps) if weights is None else weights
     origin = attempts[0].ready
     end = next(t for att in attempts for s, t, _ in att.steps if s == n_steps)
-    kills = [a.kill for a in attempts if a.kill is not None and a.kill < end]
-    stall = sum(b - a for att in attempts for _, a, b in att.saves if a < end)
-    recovery, recoveries = 0.0, []
-    lost = lost_w = 0.0
+    recovery = lost = lost_w = 0.0
+    restarts, down, lost_saves = [], [], 0
+    for prev_att, att in itertools.pairwise(attempts):
+        if prev_att.kill >= end:
+            break  # a failure after the last step: nothing to recover
+        # A restart: from the kill to the start of training, or to the next kill.
+        recovery += (att.ready or att.kill) - prev_att.kill
+        down.append((prev_att.kill - origin, (att.ready or att.kill) - origin))
+        if att.ready is not None:
+            ph = att.phases
+            marks = [prev_att.kill, ph["imports"], ph["open"], ph.get("restore", ph.get("init")),
+                     ph["compile"]]  # fmt: skip
+            restarts.append(
+                {k: b - a for k, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True)}
+            )
     for i, att in enumerate(attempts):
-        if i > 0 and attempts[i - 1].kill is not None:
-            began = att.ready if att.ready is not None else att.kill
-            recovery += began - attempts[i - 1].kill
-            if att.ready is not None:
-                recoveries.append(att.ready - attempts[i - 1].kill)
         if att.kill is None or att.ready is None or att.kill >= end:
             continue
-        # The step the next training process resumed from: work after it is lost.
+        # The step the next training process resumed from: the work after it is lost.
         resumed = next(a.restored for a in attempts[i + 1 :] if a.ready is not None)
+        lost_saves += sum(s > resumed for s, _, _ in att.saves)
         kept = [t for s, t, _ in att.steps if s <= resumed]
         prev = kept[-1] if kept else att.ready
         next_step = resumed + 1
         for s, t, _ in att.steps:
             if s > resumed:
-                d = t - prev - stalls_between(att, prev, t)
+                d = t - prev - att.stalls(prev, t)
                 lost, lost_w = lost + d, lost_w + w[s - 1] * d
                 prev, next_step = t, s + 1
-        partial = att.kill - prev - stalls_between(att, prev, att.kill)
+        partial = att.kill - prev - att.stalls(prev, att.kill)
         lost += partial
         lost_w += w[min(next_step, n_steps) - 1] * partial
-    durations, losses, curve = [], np.full(n_steps, np.nan), []
+    durations, losses, curves = [], np.full(n_steps, np.nan), []
     for att in attempts:
         prev = att.ready
         for s, t, loss in att.steps:
-            durations.append(t - prev - stalls_between(att, prev, t))
+            durations.append(t - prev - att.stalls(prev, t))
             prev = t
             losses[s - 1] = loss
-            curve.append((t - origin, loss))
+        curves.append(np.array([(t - origin, loss) for _, t, loss in att.steps]).reshape(-1, 2))
+    saves = [(s, a, b) for att in attempts for s, a, b in att.saves if a < end]
     return Measured(
         wall_s=end - origin,
-        failure_times=[k - origin for k in kills],
-        save_steps=sorted({s for att in attempts for s, a, _ in att.saves if a < end}),
-        stall_s=stall,
+        failure_times=[a.kill - origin for a in attempts if a.kill is not None and a.kill < end],
+        save_steps=sorted({s for s, _, _ in saves}),
+        save_times=[a - origin for _, a, _ in saves],
+        stall_s=sum(b - a for _, a, b in saves),
         recompute_s=lost,
         recompute_weighted_s=lost_w,
         recovery_s=recovery,
-        recoveries=recoveries,
+        restarts=restarts,
+        lost_saves=lost_saves,
         step_time_s=statistics.fmean(durations),
         losses=losses,
+        curves=curves,
+        down=down,
         digest=attempts[-1].digest,
-        curve=curve,
-        kills=[k - origin for k in kills],
-        save_times=[a - origin for att in attempts for _, a, _ in att.saves if a < end],
     )
 
 
@@ -304,7 +328,13 @@ class Result:
     weighted_s: float = math.nan
     sim_s: float = math.nan  # the simulator's overhead (same baseline as overhead_s)
     sim_weighted_s: float = math.nan
+    # The simulator's expected weighted overhead of the run's schedule under Poisson failures,
+    # with the run's own recovery time, and with the mean recovery time of all runs.
+    expected_s: float = math.nan
+    expected_common_s: float = math.nan
     saves: int = 0
+    job: dict = field(default_factory=dict)  # the simulator's view of the run
+    work_beyond_s: float = 0.0  # its failure-free time at its own step time, minus the baseline's
 
     @property
     def rest_s(self) -> float:
@@ -323,20 +353,33 @@ def score(res: Result, baseline: Measured, weights: np.ndarray, n_steps: int) ->
     res.saves = len(m.save_times)
     if res.config == "no-failures":
         return
-    sim = cj.sim.replay(
-        m.save_steps,
-        m.failure_times,
+    res.job = dict(
         n_steps=n_steps,
         step_time_s=m.step_time_s,
         checkpoint_cost_s=m.stall_s / res.saves if res.saves else 0.0,
+        # A run without failures has no recovery to measure, nor to replay.
         recovery_s=statistics.fmean(m.recoveries) if m.recoveries else 0.0,
         weights=weights,
     )
     # The simulated job's wall time is its work at the run's own step time plus the
     # replayed overhead; its overhead is taken against the same failure-free run.
-    work_beyond = n_steps * m.step_time_s - baseline.wall_s
-    res.sim_s = sim.wall_overhead_s + work_beyond
-    res.sim_weighted_s = sim.weighted_overhead_s + work_beyond
+    res.work_beyond_s = n_steps * m.step_time_s - baseline.wall_s
+    sim = cj.sim.replay(m.save_steps, m.failure_times, **res.job)
+    res.sim_s = sim.wall_overhead_s + res.work_beyond_s
+    res.sim_weighted_s = sim.weighted_overhead_s + res.work_beyond_s
+
+
+def expect(results: list[Result], mtbf_s: float) -> None:
+    """Fills in the simulator's expectations of each run's schedule (see ``Result``)."""
+    common = statistics.fmean([x for r in results for x in r.m.recoveries] or [0.0])
+    for r in results:
+        if r.config == "no-failures":
+            continue
+        own = r.job["recovery_s"] if r.m.recoveries else common
+        for key, rec in (("expected_s", own), ("expected_common_s", common)):
+            job = {**r.job, "recovery_s": rec}
+            e = cj.sim.expected_overhead(r.m.save_steps, mtbf_s=mtbf_s, **job)
+            setattr(r, key, e.weighted_s + r.work_beyond_s)
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -385,7 +428,7 @@ class Bench:
         cost = statistics.median(b - a for att in atts for s, a, b in att.saves if s > 1)
         prev, steps = atts[0].ready, []
         for _, t, _ in atts[0].steps:
-            steps.append(t - prev - stalls_between(atts[0], prev, t))
+            steps.append(t - prev - atts[0].stalls(prev, t))
             prev = t
         return cost, statistics.median(steps)
 
@@ -396,11 +439,8 @@ def order(configs: list[str], seed: int) -> list[str]:
     return configs[k:] + configs[:k]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    console = Console(width=160)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-bench-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
+    """Runs the calibration and every configuration of every seed; returns the setup record."""
     bench = Bench(args, workdir)
     started = time.monotonic()
     cj_configs = set(args.configs) & {"coci", "young", "daly"}
@@ -420,10 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             f"cocijax policies' cost_prior_s: {bench.cost_prior or 'their default'}",
             highlight=False,
         )
-    results: list[Result] = []
     loads = []
     for seed in range(args.seeds):
-        logs = {}
         for config in order(list(args.configs), seed):
             loads.append(os.getloadavg()[0])
             if config == "no-failures":
@@ -431,21 +469,53 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 draws = iter(args.fail_at) if args.fail_at else poisson_failures(seed, args.mtbf)
             t0 = time.monotonic()
-            logs[config] = bench.run(config, f"{config}-seed{seed}", draws)
-            kills = sum(a.kill is not None for a in read_log(logs[config]))
+            log = bench.run(config, f"{config}-seed{seed}", draws)
+            kills = sum(a.kill is not None for a in read_log(log))
             console.print(
                 f"seed {seed} {config:12s} {time.monotonic() - t0:6.1f} s, {kills} kills, "
                 f"load {loads[-1]:.1f}",
                 highlight=False,
             )
-        base = measure(read_log(logs["no-failures"]), args.steps, None)
+    return dict(
+        steps=args.steps,
+        mtbf=args.mtbf,
+        seeds=args.seeds,
+        configs=list(args.configs),
+        every=bench.every,
+        cost_prior=bench.cost_prior,
+        calibration=None if not calibrated else [cal_cost, cal_tau],
+        loads=loads,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def analyse(setup: dict, workdir: Path) -> Report:
+    """Measures and scores every run whose log is in ``workdir``."""
+    results = []
+    for seed in range(setup["seeds"]):
+        logs = {c: read_log(workdir / f"{c}-seed{seed}.jsonl") for c in setup["configs"]}
+        base = measure(logs["no-failures"], setup["steps"], None)
         weights = cj.sim.progress_weights(base.losses, TIME_WEIGHT)
-        for config in args.configs:
-            res = Result(config, seed, measure(read_log(logs[config]), args.steps, weights))
-            score(res, base, weights, args.steps)
+        for config, attempts in logs.items():
+            res = Result(config, seed, measure(attempts, setup["steps"], weights))
+            score(res, base, weights, setup["steps"])
             results.append(res)
-    elapsed = time.monotonic() - started
-    report = Report(args, results, bench, cal_cost, cal_tau, loads, elapsed)
+    expect(results, setup["mtbf"])
+    return Report(setup, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=160)
+    if args.analyse:
+        workdir = args.analyse
+        setup = json.loads((workdir / SETUP).read_text())
+    else:
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-bench-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        setup = run_all(args, workdir, console)
+        (workdir / SETUP).write_text(json.dumps(setup, indent=1) + "\n")
+    report = analyse(setup, workdir)
     report.print(console)
     if args.json:
         args.json.write_text(json.dumps({"runs": report.json_runs()}, indent=1) + "\n")
@@ -453,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         report.plot(args.plot or DOC_PNG)
     if args.write:
         write_section(SECTION, report.markdown())
-    if not args.workdir:
+    if not (args.workdir or args.analyse):
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
@@ -462,15 +532,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Report:
-    def __init__(self, args, results, bench, cal_cost, cal_tau, loads, elapsed):
-        self.args, self.results = args, results
-        self.every, self.cost_prior = bench.every, bench.cost_prior
-        self.cal_cost, self.cal_tau = cal_cost, cal_tau
-        self.loads, self.elapsed = loads, elapsed
-        self.configs = [c for c in CONFIGS if c in args.configs]
+    """The runs' tables (printed, and written to BENCHMARKS.md), targets, JSON and figure."""
+
+    def __init__(self, setup: dict, results: list[Result]):
+        self.setup, self.results = setup, results
+        self.configs = [c for c in CONFIGS if c in setup["configs"]]
+        self.scored = [r for r in results if r.config != "no-failures"]
+        self.base = {r.seed: r.m for r in results if r.config == "no-failures"}
+
+    def by_config(self) -> dict[str, list[Result]]:
+        return {
+            c: [r for r in self.scored if r.config == c] for c in self.configs if c != "no-failures"
+        }
 
     def json_runs(self) -> list[dict]:
-        num = lambda x: None if x is None or not math.isfinite(x) else round(x, 3)
+        num = lambda x: round(x, 3) if math.isfinite(x) else None
         return [
             {
                 "config": r.config,
@@ -485,118 +561,157 @@ class Report:
             for r in self.results
         ]
 
-    COLUMNS = ("config", "seed", "wall s", "failures", "saves", "overhead s", "stall s",
-               "recomputed s", "recovery s", "rest s", "weighted s", "sim s", "sim err",
-               "sim weighted s", "params")  # fmt: skip
-
-    def rows(self) -> list[list[str]]:
-        out = []
-        digests = {r.seed: r.m.digest for r in self.results if r.config == "no-failures"}
+    def tables(self) -> list[tuple[str, list[str], list[list[str]]]]:
+        """``(title, columns, rows)`` of each table."""
+        runs = []
         for r in sorted(self.results, key=lambda r: (r.seed, self.configs.index(r.config))):
-            ff = r.config == "no-failures"
-            same = r.m.digest is not None and r.m.digest == digests.get(r.seed)
-            out.append([
-                r.config, str(r.seed), f"{r.m.wall_s:.1f}", str(len(r.m.failure_times)),
-                str(r.saves), "" if ff else f"{r.overhead_s:.1f}", f"{r.m.stall_s:.1f}",
-                f"{r.m.recompute_s:.1f}", f"{r.m.recovery_s:.1f}",
-                "" if ff else f"{r.rest_s:.1f}", "" if ff else f"{r.weighted_s:.1f}",
-                "" if ff else f"{r.sim_s:.1f}",
-                "" if ff else f"{r.sim_error:+.0%}",
-                "" if ff else f"{r.sim_weighted_s:.1f}",
-                r.m.digest or "?" if ff else ("same" if same else "DIFFERENT"),
+            m, base = r.m, self.base[r.seed]
+            row = [r.config, str(r.seed), f"{m.wall_s:.1f}", str(len(m.failure_times)),
+                   str(r.saves), f"{m.step_time_s * 1e3:.1f}"]  # fmt: skip
+            if r.config == "no-failures":
+                row += ["", "", "", "", "", "", "", "", "", m.digest or "?"]
+            else:
+                same = m.digest is not None and m.digest == base.digest
+                row += [f"{r.overhead_s:.1f}", f"{m.stall_s:.1f}", f"{m.recompute_s:.1f}",
+                        f"{m.recovery_s:.1f}", f"{r.rest_s:.1f}", f"{r.weighted_s:.1f}",
+                        f"{r.sim_s:.1f}", f"{r.sim_error:+.0%}", f"{r.sim_weighted_s:.1f}",
+                        "same" if same else "DIFFERENT"]  # fmt: skip
+            runs.append(row)
+        mean = lambda xs: statistics.fmean(xs) if xs else math.nan
+        sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
+        summary, costs = [], []
+        for c, rs in self.by_config().items():
+            weighted = [r.weighted_s for r in rs]
+            summary.append([
+                c, f"{mean([len(r.m.failure_times) for r in rs]):.1f}",
+                f"{mean([r.saves for r in rs]):.1f}", f"{mean([r.overhead_s for r in rs]):.1f}",
+                f"{mean(weighted):.1f} ± {sd(weighted):.1f}",
+                f"{mean([r.expected_s for r in rs]):.1f}",
+                f"{mean([r.expected_common_s for r in rs]):.1f}",
             ])  # fmt: skip
-        return out
-
-    def summary(self) -> dict:
-        by = {c: [r for r in self.results if r.config == c] for c in self.configs}
-        mean = lambda rs, key: statistics.fmean(getattr(r, key) for r in rs)
-        out = {
-            c: dict(
-                overhead=mean(rs, "overhead_s"),
-                weighted=mean(rs, "weighted_s"),
-                weighted_sd=statistics.stdev(r.weighted_s for r in rs) if len(rs) > 1 else 0.0,
-                failures=statistics.fmean(len(r.m.failure_times) for r in rs),
-                saves=statistics.fmean(r.saves for r in rs),
-            )
-            for c, rs in by.items()
-            if c != "no-failures" and rs
-        }
-        return out
+            restarts = [x for r in rs for x in r.m.restarts]
+            saves = sum(r.saves for r in rs)
+            slower = mean([r.m.step_time_s / self.base[r.seed].step_time_s - 1.0 for r in rs])
+            costs.append([
+                c, str(len(restarts)), f"{mean([sum(x.values()) for x in restarts]):.1f}",
+                *(f"{mean([x[k] for x in restarts]):.2f}" for k in PHASES),
+                f"{sum(r.m.stall_s for r in rs) / saves:.2f}" if saves else "",
+                f"{slower:+.0%}", str(sum(r.m.lost_saves for r in rs)),
+            ])  # fmt: skip
+        return [
+            (
+                f"runs: {self.setup['steps']} steps, MTBF {self.setup['mtbf']:g} s",
+                ["config", "seed", "wall s", "failures", "saves", "step ms", "overhead s",
+                 "stall s", "recomputed s", "recovery s", "rest s", "weighted s", "sim s",
+                 "sim err", "sim weighted s", "params"],
+                runs,
+            ),
+            (
+                "mean over seeds",
+                ["config", "failures", "saves", "overhead s", "weighted s (± sd)",
+                 "expected weighted s", "expected, common recovery s"],
+                summary,
+            ),
+            (
+                "what a failure and a save cost (means over the runs)",
+                ["config", "restarts", "recovery s", *(f"{k} s" for k in PHASES),
+                 "stall per save s", "step time vs failure-free", "saves lost uncommitted"],
+                costs,
+            ),
+            ("targets", ["target", "measured", "status"], [list(t) for t in self.targets()]),
+        ]  # fmt: skip
 
     def targets(self) -> list[tuple[str, str, str]]:
-        s = self.summary()
         rows = []
-        others = [c for c in s if c != "coci"]
-        if "coci" in s and others:
-            best = min(others, key=lambda c: s[c]["weighted"])
-            weighted = {(r.config, r.seed): r.weighted_s for r in self.results}
-            per_seed = [
-                1.0 - weighted["coci", seed] / weighted[best, seed]
-                for seed in sorted({r.seed for r in self.results})
-            ]
-            lowest = all(s["coci"]["weighted"] < s[c]["weighted"] for c in others)
+        by = self.by_config()
+        mean = {c: statistics.fmean(r.weighted_s for r in rs) for c, rs in by.items() if rs}
+        others = [c for c in mean if c != "coci"]
+        if "coci" in mean and others:
+            best = min(others, key=mean.get)
+            weighted = {(r.config, r.seed): r.weighted_s for r in self.scored}
+            per_seed = [1.0 - weighted["coci", s] / weighted[best, s] for s in sorted(self.base)]
             rows.append((
-                "coci's mean weighted overhead lowest",
-                f"coci {s['coci']['weighted']:.1f} s, best other {best} "
-                f"{s[best]['weighted']:.1f} s: reduction {statistics.fmean(per_seed):+.0%} "
-                f"(per seed {', '.join(f'{x:+.0%}' for x in per_seed)})",
-                "met" if lowest else "NOT met",
+                "coci's mean weighted overhead below every other configuration's",
+                f"coci {mean['coci']:.1f} s, best other {best} {mean[best]:.1f} s: reduction "
+                f"{statistics.fmean(per_seed):+.0%} (per seed "
+                f"{', '.join(f'{x:+.0%}' for x in per_seed)})",
+                "met" if all(mean["coci"] < mean[c] for c in others) else "NOT met",
             ))  # fmt: skip
-        scored = [r for r in self.results if r.config != "no-failures"]
-        if scored:
-            out = [r for r in scored if not abs(r.sim_error) <= SIM_TOLERANCE]
+        if self.scored:
+            out = [r for r in self.scored if not abs(r.sim_error) <= SIM_TOLERANCE]
+            worst = max(self.scored, key=lambda r: abs(r.sim_error))
             rows.append((
-                f"simulator within {SIM_TOLERANCE:.0%} of measured overhead, every run",
-                f"{len(scored) - len(out)} of {len(scored)} runs; worst "
-                f"{max(scored, key=lambda r: abs(r.sim_error)).sim_error:+.0%}",
+                f"simulator within {SIM_TOLERANCE:.0%} of the measured overhead, every run",
+                f"{len(self.scored) - len(out)} of {len(self.scored)} runs; worst "
+                f"{worst.sim_error:+.0%} ({worst.config}, seed {worst.seed})",
                 "met" if not out else "NOT met",
             ))  # fmt: skip
-        digests = {r.seed: r.m.digest for r in self.results if r.config == "no-failures"}
-        checked = [r for r in self.results if r.config != "no-failures" and r.seed in digests]
-        if checked:
-            same = [r for r in checked if r.m.digest and r.m.digest == digests[r.seed]]
+            same = [r for r in self.scored if r.m.digest and r.m.digest == self.base[r.seed].digest]
             rows.append((
-                "final parameters equal an uninterrupted run's",
-                f"{len(same)} of {len(checked)} runs",
-                "met" if len(same) == len(checked) else "NOT met",
+                "final parameters equal the uninterrupted run's",
+                f"{len(same)} of {len(self.scored)} runs",
+                "met" if len(same) == len(self.scored) else "NOT met",
             ))  # fmt: skip
         return rows
 
-    def noise(self) -> str:
-        ff = [r.m.step_time_s for r in self.results if r.config == "no-failures"]
-        walls = [r.m.wall_s for r in self.results if r.config == "no-failures"]
-        text = (
-            f"1-minute load average at the start of each run: {min(self.loads):.1f} to "
-            f"{max(self.loads):.1f} (median {statistics.median(self.loads):.1f}; 2 cores)"
+    def describe(self) -> str:
+        """The parameters of the benchmark, and how noisy the machine was."""
+        su, base = self.setup, list(self.base.values())
+        cal = "no calibration run"
+        if su["calibration"]:
+            cost, tau = su["calibration"]
+            cal = (f"a calibration run's Orbax save blocked {cost * 1e3:.0f} ms (median, step "
+                   f"{tau * 1e3:.1f} ms)")  # fmt: skip
+        prior = su["cost_prior"] if su["cost_prior"] is not None else "default"
+        loads = su["loads"]
+        return (
+            f"{su['steps']} steps, MTBF {su['mtbf']:g} s, {su['seeds']} seed(s); {cal}; "
+            f"orbax-fixed saves every {su['every']} steps; cocijax policies' cost_prior_s "
+            f"{prior}. Noise: 1-minute load average at the start of each run "
+            f"{min(loads):.1f} to {max(loads):.1f} (2 cores); failure-free runs: mean step "
+            f"{min(m.step_time_s for m in base) * 1e3:.1f} to "
+            f"{max(m.step_time_s for m in base) * 1e3:.1f} ms, wall "
+            f"{min(m.wall_s for m in base):.1f} to {max(m.wall_s for m in base):.1f} s; "
+            f"{su['elapsed_s'] / 60:.1f} min in all"
         )
-        if ff:
-            text += (
-                f"; failure-free runs: median step {min(ff) * 1e3:.1f} to {max(ff) * 1e3:.1f} "
-                f"ms, wall {min(walls):.1f} to {max(walls):.1f} s"
-            )
-        return text
 
     def print(self, console: Console) -> None:
-        table = Table(title=f"chaos_bench: {self.args.steps} steps, MTBF {self.args.mtbf:g} s")
-        for col in self.COLUMNS:
-            table.add_column(col, justify="left" if col == "config" else "right")
-        for row in self.rows():
-            table.add_row(*row)
-        console.print(table)
-        t = Table(title="mean over seeds")
-        for col in ("config", "failures", "saves", "overhead s", "weighted s", "weighted sd"):
-            t.add_column(col, justify="left" if col == "config" else "right")
-        for c, s in self.summary().items():
-            t.add_row(c, f"{s['failures']:.1f}", f"{s['saves']:.1f}", f"{s['overhead']:.1f}",
-                      f"{s['weighted']:.1f}", f"{s['weighted_sd']:.1f}")  # fmt: skip
-        console.print(t)
-        t = Table(title="targets")
-        for col in ("target", "measured", "status"):
-            t.add_column(col)
-        for row in self.targets():
-            t.add_row(*row)
-        console.print(t)
-        console.print(f"noise: {self.noise()}; {self.elapsed / 60:.1f} min in all", highlight=False)
+        for title, columns, rows in self.tables():
+            table = Table(title=title)
+            for i, col in enumerate(columns):
+                table.add_column(col, justify="left" if i == 0 else "right")
+            for row in rows:
+                table.add_row(*row)
+            console.print(table)
+        console.print(self.describe(), highlight=False)
+
+    def markdown(self) -> str:
+        lines = [
+            "## Live chaos benchmark (`benchmarks/chaos_bench.py`)",
+            "",
+            f"Machine: {cpu_and_ram()}; {datetime.date.today().isoformat()}; Python "
+            f"{platform.python_version()}. Command: `python benchmarks/chaos_bench.py "
+            f"--seeds {self.setup['seeds']} --steps {self.setup['steps']} --mtbf "
+            f"{self.setup['mtbf']:g} --write`.",
+            "",
+            f"{self.describe()}.",
+            "",
+            "The job (`benchmarks/chaos_job.py`): a character model of Python's own sources "
+            "(hashed n-gram embeddings and a Flax MLP, about 390 MiB of parameters and Adam "
+            "moments). Failures: SIGKILL at seeded Poisson times, the same for every "
+            "configuration of a seed, and a restart at once. Overhead: wall time minus the "
+            "failure-free run's; rest = overhead - stall - recomputed - recovery (steps slower "
+            "than in the failure-free run). Weighted: recomputed seconds weighted by hindsight "
+            f"progress (time_weight {TIME_WEIGHT}). sim: `cj.sim.replay` of the run (its saves "
+            "and failures, its mean step time, stall per save and recovery time); expected: "
+            "`cj.sim.expected_overhead` of the run's schedule with the same measurements.",
+        ]
+        for title, columns, rows in self.tables():
+            lines += ["", f"{title[0].upper()}{title[1:]}:", "", "| " + " | ".join(columns) + " |",
+                      "|" + "---|" * len(columns)]  # fmt: skip
+            lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += ["", "![chaos benchmark](docs/chaos_bench.png)"]
+        return "\n".join(lines)
 
     def plot(self, path: Path) -> None:
         import matplotlib
@@ -604,20 +719,23 @@ class Report:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        seed = min(r.seed for r in self.results)
+        seed = min(self.base)
         runs = [r for c in self.configs for r in self.results if r.config == c and r.seed == seed]
         fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.9 * len(runs) + 0.6), sharex=True,
                                  sharey=True, squeeze=False)  # fmt: skip
+        top = max(float(np.nanmax(c[:, 1])) for r in runs for c in r.m.curves if c.size)
         for ax, r in zip(axes[:, 0], runs, strict=True):
-            t, loss = np.array(r.m.curve).T
-            ax.plot(t, loss, ".", ms=1.0, color="0.6")
-            k = 25  # a moving average over 25 logged steps, for the eye
-            if loss.size > k:
-                ax.plot(t[k - 1 :], np.convolve(loss, np.ones(k) / k, "valid"), lw=1.0, color="C0")
-            for x in r.m.kills:
+            for t, loss in (c.T for c in r.m.curves if c.size):
+                ax.plot(t, loss, ".", ms=1.0, color="0.7")
+                k = 25  # a moving average over 25 steps of one process, for the eye
+                if loss.size > k:
+                    ax.plot(t[k - 1 :], np.convolve(loss, np.ones(k) / k, "valid"), lw=1.0,
+                            color="C0")  # fmt: skip
+            for a, b in r.m.down:
+                ax.axvspan(a, b, color="C3", alpha=0.15, lw=0)
+            for x in r.m.failure_times:
                 ax.axvline(x, color="C3", lw=1.2)
-            ax.plot(r.m.save_times, np.full(len(r.m.save_times), np.nanmax(loss)), "|",
-                    color="C2", ms=8)  # fmt: skip
+            ax.plot(r.m.save_times, np.full(len(r.m.save_times), top), "|", color="C2", ms=8)
             label = r.config if r.config == "no-failures" else (
                 f"{r.config}: {len(r.m.failure_times)} failures, {r.saves} saves, "
                 f"overhead {r.overhead_s:.0f} s (weighted {r.weighted_s:.0f} s)"
@@ -625,57 +743,12 @@ class Report:
             ax.set_title(label, fontsize=9, loc="left")
             ax.set_ylabel("loss")
         axes[-1, 0].set_xlabel(
-            "seconds since training started (red: failures, green ticks: saves started)"
+            "seconds since training started (red: failures and recoveries, green: saves)"
         )
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=80)
         plt.close(fig)
-
-    def markdown(self) -> str:
-        a = self.args
-        cal = (
-            f"`save_interval_steps` {self.every} = Young's interval from the calibration run "
-            f"(an Orbax save blocked {self.cal_cost * 1e3:.0f} ms, median step "
-            f"{self.cal_tau * 1e3:.1f} ms)"
-            if math.isfinite(self.cal_cost)
-            else f"`save_interval_steps` {self.every} (given)"
-        )
-        lines = [
-            "## Live chaos benchmark (`benchmarks/chaos_bench.py`)",
-            "",
-            f"Machine: {cpu_and_ram()}; {datetime.date.today().isoformat()}; Python "
-            f"{platform.python_version()}. Command: `python benchmarks/chaos_bench.py "
-            f"--seeds {a.seeds} --steps {a.steps} --mtbf {a.mtbf:g} --write` "
-            f"({self.elapsed / 60:.0f} min).",
-            "",
-            f"The job (`benchmarks/chaos_job.py`): a character-level model of Python's own "
-            f"sources, hashed n-gram embeddings and a Flax MLP, about 390 MiB of parameters and "
-            f"Adam moments, {a.steps} steps. Failures: SIGKILL at seeded Poisson times (MTBF "
-            f"{a.mtbf:g} s, the same times for every configuration of a seed), restart at once. "
-            f"orbax-fixed: {cal}. Overhead = wall time minus the failure-free run's; "
-            f"weighted: recomputed seconds weighted by hindsight progress (time_weight "
-            f"{TIME_WEIGHT}); sim: `cj.sim.replay` of the run (its saves, failures, median step "
-            f"time, mean stall and mean recovery). Rest = overhead - stall - recomputed - "
-            f"recovery (steps slower than in the failure-free run).",
-            "",
-            f"Noise: {self.noise()}.",
-            "",
-            "| " + " | ".join(self.COLUMNS) + " |",
-            "|" + "---|" * len(self.COLUMNS),
-        ]
-        lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
-        lines += ["", "| config | failures | saves | overhead s | weighted s | weighted sd |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [
-            f"| {c} | {s['failures']:.1f} | {s['saves']:.1f} | {s['overhead']:.1f} | "
-            f"{s['weighted']:.1f} | {s['weighted_sd']:.1f} |"
-            for c, s in self.summary().items()
-        ]
-        lines += ["", "| target | measured | status |", "|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in self.targets()]
-        lines += ["", "![chaos benchmark](docs/chaos_bench.png)"]
-        return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -698,6 +771,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny model, to test the machinery")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run at most")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temp dir)")
+    p.add_argument("--analyse", type=Path, metavar="DIR",
+                   help="report on the logs kept by --workdir DIR; run nothing")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the runs as JSON here")
     p.add_argument("--plot", type=Path, help="draw the figure here (--write: docs/)")
     p.add_argument("--write", action="store_true", help="record the results in BENCHMARKS.md")

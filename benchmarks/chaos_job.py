@@ -31,8 +31,10 @@ length), and ``--cost-prior`` if set (the save cost assumed until the first save
 the line being written). Times are ``time.monotonic()`` seconds, one clock for every process on
 the machine (CLOCK_MONOTONIC on Linux), so the supervisor's kill times compare with them:
 
-* ``{"event": "ready", "t", "restored"}``: imports, restore and compilation are done; training
-  starts (``restored`` is the step resumed from, or null);
+* ``{"event": "ready", "t", "restored", ...}``: imports, restore and compilation are done;
+  training starts (``restored`` is the step resumed from, or null). Also when each phase of
+  the start ended: ``imports``, ``open`` (data, model and checkpoint manager set up),
+  ``restore`` (or ``init`` in a fresh run) and ``compile``;
 * ``{"step", "loss", "t"}`` after every step (the loss is read, so ``t`` is the step's end);
 * ``{"event": "save", "step", "t0", "t1", ...}`` after a save that blocked from ``t0`` to ``t1``
   (for the cocijax manager, with what its policy was told: ``mngr.measurements``);
@@ -92,7 +94,10 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, text: np.ndarray):
         self.buckets, self.dim, self.hidden, self.batch = (
-            args.buckets, args.dim, args.hidden, args.batch
+            args.buckets,
+            args.dim,
+            args.hidden,
+            args.batch,
         )
         self.text = jnp.asarray(text)
         self.n_text = text.size
@@ -299,14 +304,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases = {"imports": time.monotonic()}  # the process started, the modules are imported
     args = parse_args(argv)
     log = Log(args.log)
     job = Job(args, corpus())
     ckpt = Checkpoints(args)
+    phases["open"] = time.monotonic()
     start = ckpt.latest()
     state = ckpt.restore(start, job.abstract()) if start else job.init()
+    phases["restore" if start else "init"] = time.monotonic()
     train_step = job.compile()
-    log.write({"event": "ready", "t": time.monotonic(), "restored": start or None})
+    phases["compile"] = time.monotonic()
+    log.write({"event": "ready", "t": phases["compile"], "restored": start or None, **phases})
     for step in range(start + 1, args.steps + 1):
         state, loss = train_step(state, jnp.asarray(job.positions(step)))
         loss_value = float(loss)  # waits for the step: `t` is its end
