@@ -1,44 +1,53 @@
 """The live chaos benchmark: real training, real failures, policies compared in wall-clock time.
 
 A supervisor starts the training job of ``benchmarks/chaos_job.py`` (a Flax model with about
-390 MiB of parameters and Adam moments), SIGKILLs it (the whole process group, as a node
+390 MiB of parameters and Adam moments), SIGKILLs it (its whole process group, as a node
 failure would) at failure times drawn from a seeded Poisson process, and starts it again at
-once, until the planned steps are done. Recovery is real: a new process, imports, restore and
-compilation. Each seed draws one sequence of failure times, which every configuration gets
-(common random numbers); the clock starts when the first process begins training, so a
-failure lands at the same training progress in every configuration as nearly as the machine
-allows.
+once, until the planned steps are done. Recovery is real: a new process, imports, the
+checkpoint manager, the restore and the compilation. Each seed draws one sequence of failure
+times that every configuration gets (common random numbers); the failure clock starts when the
+first process starts training, so that start-up work common to all is not exposed.
 
 Configurations: ``coci``, ``young`` and ``daly`` through ``cj.CheckpointManager`` (given the
-MTBF; step time, save cost and recovery time measured by the manager), ``orbax-fixed``
-(Orbax's own ``ocp.CheckpointManager`` with ``save_interval_steps`` set to Young's interval
-from the save cost measured in a calibration run, as a user would set it) and ``no-failures``
-(no checkpoints, no failures: the baseline of each seed).
+MTBF; the step time, save cost and recovery time are what the manager measures),
+``orbax-fixed`` (Orbax's own ``ocp.CheckpointManager``, ``save_interval_steps`` = Young's
+interval from the save cost and step time a calibration run measured, as a user would set it)
+and ``no-failures`` (no checkpoints, no failures: the baseline of each seed). The cocijax
+policies start from that calibrated cost too (``cost_prior_s``) until their first save is timed;
+``--cost-prior default`` leaves them their default (10 s, meant for clusters), with which a
+policy whose first interval outlasts the gaps between failures never saves, so never measures.
 
 Measured per run, from the job's log (every step's loss and end time, every save's blocking
-interval) and the supervisor's kill times:
+interval, the phases of every start) and the supervisor's kill times:
 
 * **wall**: from the start of training to the end of the last step; **overhead** = wall minus
   the failure-free run's of the same seed;
-* its split: **stall** (time ``save`` blocked), **recomputed** (work lost at each failure: from
-  the end of the step the next process resumed from, or from the start of training of the
-  killed process if none of its steps survived, to the kill, minus stalls), **recovery** (from
-  each kill to the next process's start of training; the whole life of a process killed before
-  it started training), and the **rest** (steps slower than in the failure-free run: background
-  writes competing for the two cores, and machine noise);
+* its split: **stall** (time ``save`` blocked), **recomputed** (the work each failure destroyed:
+  from the end of the step the next process resumed from, or from the killed process's start of
+  training if none of its steps survived, to the kill, stalls excluded), **recovery** (from
+  each kill to the next start of training; all of it when a failure strikes during a
+  recovery), and the **rest** (steps slower than in the failure-free run: background writes
+  competing for the cores, and machine noise);
 * **weighted overhead**: the overhead with each recomputed second weighted by the hindsight
   progress weight of its step (:func:`cocijax.sim.progress_weights` of the failure-free run's
   loss curve, ``time_weight`` 0.25, as ``benchmarks/policy_bench.py`` scores policies);
-* **simulated**: :func:`cocijax.sim.replay` of the run: its save steps, its failure times, its
-  median step time, its mean stall per save and its mean recovery time.
+* **sim**: :func:`cocijax.sim.replay` of the run (its save steps and failure times, its mean
+  step time, its mean stall per save, its mean recovery time); the simulated job's overhead is
+  taken against the same failure-free run as the measured one;
+* **expected**: :func:`cocijax.sim.expected_overhead` of the run's schedule with the same
+  measurements under Poisson failures (what ``policy_bench`` would score), with the run's own
+  recovery time and with the mean recovery time of all runs;
+* the phases of each recovery, the stall per save, the step time against the failure-free
+  run's, and the saves a failure destroyed before they were committed.
 
 Run (under the benchmark lock on a shared machine)::
 
     python benchmarks/chaos_bench.py [--quick] [--seeds 3] [--json PATH] [--write]
 
-``--quick`` runs one seed of a short job (a few minutes); ``--json`` writes the runs;
-``--write`` records the table, the machine and the figure (``docs/chaos_bench.png``) in
-BENCHMARKS.md.
+``--quick`` runs one seed of a short job (a few minutes on a quiet machine); ``--json`` writes
+the runs; ``--workdir DIR`` keeps the logs, which ``--analyse DIR`` reports on again without
+running; ``--write`` records the tables, the machine and the figure (``docs/chaos_bench.png``)
+in BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def replay(
       >>> r.failures, r.recompute_s, r.recovery_s, r.stall_s  # 19 s after the save at step 50
       (1.0, 19.0, 5.0, 2.0)
     """
-    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, 1.0)
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s=1.0)  # none needed
     times = np.asarray(failure_times_s, dtype=np.float64)
     if (
         times.ndim != 1
