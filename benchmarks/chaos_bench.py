@@ -175,19 +175,23 @@ def supervise(cmd: list[str], log: Path, failures, n_steps: int, timeout_s: floa
         return False
 
     proc = spawn()
-    while tail.ready is None:  # the failure clock starts with training
-        if not wait(proc, time.monotonic() + 0.02):
-            return
-        tail.update()
-    for offset in failures:
-        if not wait(proc, tail.ready + offset):
-            return
-        tail.update()
-        if tail.trained:  # nothing left to destroy
-            break
-        append(log, {"event": "kill", "t": kill(proc)})
-        proc = spawn()
-    wait(proc, deadline)
+    try:
+        while tail.ready is None:  # the failure clock starts with training
+            if not wait(proc, time.monotonic() + 0.02):
+                return
+            tail.update()
+        for offset in failures:
+            if not wait(proc, tail.ready + offset):
+                return
+            tail.update()
+            if tail.trained:  # nothing left to destroy
+                break
+            append(log, {"event": "kill", "t": kill(proc)})
+            proc = spawn()
+        wait(proc, deadline)
+    finally:
+        if proc.poll() is None:  # interrupted (e.g. Ctrl-C): leave no job running
+            kill(proc)
 
 
 # -- reading a run -----------------------------------------------------------------------------
@@ -205,6 +209,7 @@ class Attempt:
     saves: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t0, t1)
     kill: float | None = None
     digest: str | None = None
+    state_mib: float = math.nan
 
     def stalls(self, t0: float, t1: float) -> float:
         """Seconds its saves that began in ``[t0, t1)`` blocked."""
@@ -221,6 +226,7 @@ def read_log(path: Path) -> list[Attempt]:
         elif event == "ready":
             att = attempts[-1]
             att.ready, att.restored = r["t"], r["restored"] or 0
+            att.state_mib = r["state_mib"]
             att.phases = {
                 k: r[k] for k in ("imports", "open", "restore", "init", "compile") if k in r
             }
@@ -257,6 +263,7 @@ class Measured:
     curves: list[np.ndarray]  # per process: (seconds since the start of training, loss) rows
     down: list[tuple[float, float]]  # each recovery, from the kill to the start of training
     digest: str | None
+    state_mib: float
 
     @property
     def recoveries(self) -> list[float]:
@@ -325,6 +332,7 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
         curves=curves,
         down=down,
         digest=attempts[-1].digest,
+        state_mib=attempts[0].state_mib,
     )
 
 
@@ -486,6 +494,7 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
                 highlight=False,
             )
     return dict(
+        argv=sys.argv[1:],
         steps=args.steps,
         mtbf=args.mtbf,
         seeds=args.seeds,
@@ -547,6 +556,7 @@ class Report:
         self.setup, self.results = setup, results
         self.configs = [c for c in CONFIGS if c in setup["configs"]]
         self.scored = [r for r in results if r.config != "no-failures"]
+        self.state_mib = results[0].m.state_mib
         self.base = {r.seed: r.m for r in results if r.config == "no-failures"}
 
     def by_config(self) -> dict[str, list[Result]]:
@@ -700,14 +710,13 @@ class Report:
             "",
             f"Machine: {cpu_and_ram()}; {datetime.date.today().isoformat()}; Python "
             f"{platform.python_version()}. Command: `python benchmarks/chaos_bench.py "
-            f"--seeds {self.setup['seeds']} --steps {self.setup['steps']} --mtbf "
-            f"{self.setup['mtbf']:g} --write`.",
+            f"{' '.join(self.setup['argv'])}`.",
             "",
             f"{self.describe()}.",
             "",
             "The job (`benchmarks/chaos_job.py`): a character model of Python's own sources "
-            "(hashed n-gram embeddings and a Flax MLP, about 390 MiB of parameters and Adam "
-            "moments). Failures: SIGKILL at seeded Poisson times, the same for every "
+            f"(hashed n-gram embeddings and a Flax MLP; {self.state_mib:.0f} MiB of parameters "
+            "and Adam moments). Failures: SIGKILL at seeded Poisson times, the same for every "
             "configuration of a seed, and a restart at once. Overhead: wall time minus the "
             "failure-free run's; rest = overhead - stall - recomputed - recovery (steps slower "
             "than in the failure-free run). Weighted: recomputed seconds weighted by hindsight "

@@ -32,7 +32,8 @@ the line being written). Times are ``time.monotonic()`` seconds, one clock for e
 the machine (CLOCK_MONOTONIC on Linux), so the supervisor's kill times compare with them:
 
 * ``{"event": "ready", "t", "restored", ...}``: imports, restore and compilation are done;
-  training starts (``restored`` is the step resumed from, or null). Also when each phase of
+  training starts (``restored`` is the step resumed from, or null; ``state_mib`` the size of
+  the training state). Also when each phase of
   the start ended: ``imports``, ``open`` (data, model and checkpoint manager set up),
   ``restore`` (or ``init`` in a fresh run) and ``compile``;
 * ``{"step", "loss", "t"}`` after every step (the loss is read, so ``t`` is the step's end);
@@ -315,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     phases["restore" if start else "init"] = time.monotonic()
     train_step = job.compile()
     phases["compile"] = time.monotonic()
-    log.write({"event": "ready", "t": phases["compile"], "restored": start or None, **phases})
+    mib = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20
+    log.write({"event": "ready", "t": phases["compile"], "restored": start or None,
+               "state_mib": round(mib, 1), **phases})  # fmt: skip
     for step in range(start + 1, args.steps + 1):
         state, loss = train_step(state, jnp.asarray(job.positions(step)))
         loss_value = float(loss)  # waits for the step: `t` is its end
