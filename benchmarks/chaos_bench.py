@@ -131,7 +131,9 @@ class LogTail:
             self.trained = self.trained or r.get("step") == self.n_steps
 
 
-def supervise(cmd: list[str], log: Path, failures, n_steps: int, timeout_s: float) -> None:
+def supervise(
+    cmd: list[str], log: Path, failures, n_steps: int, timeout_s: float, env: dict | None = None
+) -> None:
     """Runs ``cmd`` until it has trained ``n_steps``, killing it at the given failure times.
 
     ``failures`` yields seconds after the first process's ``ready`` record (the start of
@@ -151,7 +153,7 @@ def supervise(cmd: list[str], log: Path, failures, n_steps: int, timeout_s: floa
             # A session of its own: the kill takes the job's whole process group, as a node
             # failure would.
             return subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env
             )
 
     def kill(proc: subprocess.Popen) -> float:
@@ -226,7 +228,7 @@ def read_log(path: Path) -> list[Attempt]:
         elif event == "ready":
             att = attempts[-1]
             att.ready, att.restored = r["t"], r["restored"] or 0
-            att.state_mib = r["state_mib"]
+            att.state_mib = r.get("state_mib", math.nan)
             att.phases = {
                 k: r[k] for k in ("imports", "open", "restore", "init", "compile") if k in r
             }
@@ -423,10 +425,16 @@ class Bench:
             cmd += ["--dir", str(ckpt), "--mtbf", str(self.args.mtbf)]
             if self.cost_prior is not None:
                 cmd += ["--cost-prior", str(self.cost_prior)]
+        env = None
+        if self.args.compile_cache:
+            # Every start after the first of a configuration loads its compiled programs.
+            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ckpt) + "-jax-cache",
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
         try:
-            supervise(cmd, log, failures, steps, self.args.timeout)
+            supervise(cmd, log, failures, steps, self.args.timeout, env)
         finally:
             shutil.rmtree(ckpt, ignore_errors=True)  # hundreds of MiB per run
+            shutil.rmtree(str(ckpt) + "-jax-cache", ignore_errors=True)
         return log
 
     def calibrate(self) -> tuple[float, float]:
@@ -501,6 +509,7 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
         configs=list(args.configs),
         every=bench.every,
         cost_prior=bench.cost_prior,
+        compile_cache=args.compile_cache,
         calibration=None if not calibrated else [cal_cost, cal_tau],
         loads=loads,
         elapsed_s=time.monotonic() - started,
@@ -682,11 +691,12 @@ class Report:
             cal = (f"a calibration run's Orbax save blocked {cost * 1e3:.0f} ms (median, step "
                    f"{tau * 1e3:.1f} ms)")  # fmt: skip
         prior = su["cost_prior"] if su["cost_prior"] is not None else "default"
+        cache = "compiled programs cached" if su["compile_cache"] else "no compilation cache"
         loads = su["loads"]
         return (
             f"{su['steps']} steps, MTBF {su['mtbf']:g} s, {su['seeds']} seed(s); {cal}; "
             f"orbax-fixed saves every {su['every']} steps; cocijax policies' cost_prior_s "
-            f"{prior}. Noise: 1-minute load average at the start of each run "
+            f"{prior}; {cache}. Noise: 1-minute load average at the start of each run "
             f"{min(loads):.1f} to {max(loads):.1f} (2 cores); failure-free runs: mean step "
             f"{min(m.step_time_s for m in base) * 1e3:.1f} to "
             f"{max(m.step_time_s for m in base) * 1e3:.1f} ms, wall "
@@ -787,6 +797,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "orbax-fixed gets) or the policies' default",
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model, to test the machinery")
+    p.add_argument("--compile-cache", action="store_true",
+                   help="restarts load compiled programs from JAX's persistent cache (one per "
+                   "run) instead of compiling them")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run at most")
     p.add_argument("--workdir", type=Path, help="keep the logs here (default: a temp dir)")
     p.add_argument("--analyse", type=Path, metavar="DIR",
