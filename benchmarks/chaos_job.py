@@ -94,12 +94,8 @@ class Job:
     """The model, its optimisers and its compiled training step."""
 
     def __init__(self, args: argparse.Namespace, text: np.ndarray):
-        self.buckets, self.dim, self.hidden, self.batch = (
-            args.buckets,
-            args.dim,
-            args.hidden,
-            args.batch,
-        )
+        self.buckets, self.dim, self.batch = args.buckets, args.dim, args.batch
+        self.hidden = args.hidden
         self.text = jnp.asarray(text)
         self.n_text = text.size
         # The module's structure only: its values come from `init` or from a checkpoint.
@@ -204,7 +200,6 @@ class Checkpoints:
     """The configuration's checkpointing: ``latest``, ``restore``, ``save`` (None: no save)."""
 
     def __init__(self, args: argparse.Namespace):
-        self.config = args.config
         self.mngr = None
         if args.config == "orbax-fixed":
             self.mngr = ocp.CheckpointManager(
