@@ -412,15 +412,15 @@ class Bench:
         self.every: int | None = args.every  # orbax-fixed's save_interval_steps
         self.cost_prior: float | None = None  # cocijax policies' cost_prior_s (None: default)
 
-    def run(self, config: str, name: str, failures, steps: int | None = None) -> Path:
+    def run(self, config: str, name: str, failures, steps: int = 0, every: int = 0) -> Path:
         """Runs one configuration to the end; returns its log."""
-        steps = steps or self.args.steps
+        steps, every = steps or self.args.steps, every or self.every
         log = self.workdir / f"{name}.jsonl"
         ckpt = self.workdir / f"{name}-ckpt"
         cmd = [sys.executable, str(JOB), "--config", config, "--log", str(log),
                "--steps", str(steps), *(TINY_JOB if self.args.tiny else [])]  # fmt: skip
         if config == "orbax-fixed":
-            cmd += ["--dir", str(ckpt), "--every", str(self.every)]
+            cmd += ["--dir", str(ckpt), "--every", str(every)]
         elif config != "no-failures":
             cmd += ["--dir", str(ckpt), "--mtbf", str(self.args.mtbf)]
             if self.cost_prior is not None:
@@ -443,11 +443,7 @@ class Bench:
         A short run saves every ``CALIBRATION["every"]`` steps (far enough apart that no save
         waits for the previous one). Returns ``(save seconds, step seconds)``, medians.
         """
-        self.every = CALIBRATION["every"]
-        try:
-            log = self.run("orbax-fixed", "calibration", iter(()), CALIBRATION["steps"])
-        finally:
-            self.every = self.args.every
+        log = self.run("orbax-fixed", "calibration", iter(()), **CALIBRATION)
         atts = read_log(log)
         # The first save (step 1) also sets Orbax up: the later ones are what a save costs.
         cost = statistics.median(b - a for att in atts for s, a, b in att.saves if s > 1)
