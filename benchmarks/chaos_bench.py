@@ -104,8 +104,20 @@ def poisson_failures(seed: int, mtbf_s: float):
 
 def append(log: Path, record: dict) -> None:
     """Adds a supervisor record to the job's log (only while no job process is alive)."""
-    with log.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with log.open("a+b") as f:
+        # A line the killed job was writing may be torn: end it, so that ours stays whole.
+        size = f.seek(0, os.SEEK_END)
+        torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
+
+
+def records(lines: list[bytes] | list[str]):
+    """The JSON records of a log's lines, without the lines a kill tore."""
+    for line in lines:
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
 
 
 class LogTail:
@@ -124,8 +136,7 @@ class LogTail:
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         self.offset += end
-        for line in data[:end].splitlines():
-            r = json.loads(line)
+        for r in records(data[:end].splitlines()):
             if r.get("event") == "ready" and self.ready is None:
                 self.ready = r["t"]
             self.trained = self.trained or r.get("step") == self.n_steps
@@ -220,8 +231,7 @@ class Attempt:
 
 def read_log(path: Path) -> list[Attempt]:
     attempts: list[Attempt] = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in records(path.read_text().splitlines()):
         event = r.get("event")
         if event == "spawn":
             attempts.append(Attempt(spawn=r["t"]))
