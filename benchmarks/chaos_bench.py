@@ -107,8 +107,11 @@ def append(log: Path, record: dict) -> None:
     with log.open("a+b") as f:
         # A line the killed job was writing may be torn: end it, so that ours stays whole.
         size = f.seek(0, os.SEEK_END)
-        torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(json.dumps(record).encode() + b"\n")
 
 
 def records(lines: list[bytes] | list[str]):
