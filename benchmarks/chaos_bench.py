@@ -21,19 +21,20 @@ Measured per run, from the job's log (every step's loss and end time, every save
 interval, the phases of every start) and the supervisor's kill times:
 
 * **wall**: from the start of training to the end of the last step; **overhead** = wall minus
-  the failure-free run's of the same seed;
+  the failure-free wall time (the median of the failure-free runs of all seeds: the job is the
+  same, and one run slowed by a busy machine would otherwise shift a whole seed);
 * its split: **stall** (time ``save`` blocked), **recomputed** (the work each failure destroyed:
   from the end of the step the next process resumed from, or from the killed process's start of
   training if none of its steps survived, to the kill, stalls excluded), **recovery** (from
   each kill to the next start of training; all of it when a failure strikes during a
-  recovery), and the **rest** (steps slower than in the failure-free run: background writes
+  recovery), and the **rest** (steps slower than in the failure-free runs: background writes
   competing for the cores, and machine noise);
 * **weighted overhead**: the overhead with each recomputed second weighted by the hindsight
-  progress weight of its step (:func:`cocijax.sim.progress_weights` of the failure-free run's
+  progress weight of its step (:func:`cocijax.sim.progress_weights` of a failure-free run's
   loss curve, ``time_weight`` 0.25, as ``benchmarks/policy_bench.py`` scores policies);
 * **sim**: :func:`cocijax.sim.replay` of the run (its save steps and failure times, its mean
   step time, its mean stall per save, its mean recovery time); the simulated job's overhead is
-  taken against the same failure-free run as the measured one;
+  taken against the same failure-free wall time as the measured one;
 * **expected**: :func:`cocijax.sim.expected_overhead` of the run's schedule with the same
   measurements under Poisson failures (what ``policy_bench`` would score), with the run's own
   recovery time and with the mean recovery time of all runs;
@@ -377,10 +378,10 @@ class Result:
         return self.sim_s / self.overhead_s - 1.0 if self.overhead_s else math.nan
 
 
-def score(res: Result, baseline: Measured, weights: np.ndarray, n_steps: int) -> None:
-    """Fills in the overheads and the simulator's replay of the run."""
+def score(res: Result, baseline_s: float, weights: np.ndarray, n_steps: int) -> None:
+    """Fills in the overheads (against ``baseline_s`` of wall time) and the replay of the run."""
     m = res.m
-    res.overhead_s = m.wall_s - baseline.wall_s
+    res.overhead_s = m.wall_s - baseline_s
     res.weighted_s = res.overhead_s - m.recompute_s + m.recompute_weighted_s
     res.saves = len(m.save_times)
     if res.config == "no-failures":
@@ -394,8 +395,8 @@ def score(res: Result, baseline: Measured, weights: np.ndarray, n_steps: int) ->
         weights=weights,
     )
     # The simulated job's wall time is its work at the run's own step time plus the
-    # replayed overhead; its overhead is taken against the same failure-free run.
-    res.work_beyond_s = n_steps * m.step_time_s - baseline.wall_s
+    # replayed overhead; its overhead is taken against the same failure-free wall time.
+    res.work_beyond_s = n_steps * m.step_time_s - baseline_s
     sim = cj.sim.replay(m.save_steps, m.failure_times, **res.job)
     res.sim_s = sim.wall_overhead_s + res.work_beyond_s
     res.sim_weighted_s = sim.weighted_overhead_s + res.work_beyond_s
@@ -527,14 +528,21 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
 
 def analyse(setup: dict, workdir: Path) -> Report:
     """Measures and scores every run whose log is in ``workdir``."""
-    results = []
-    for seed in range(setup["seeds"]):
-        logs = {c: read_log(workdir / f"{c}-seed{seed}.jsonl") for c in setup["configs"]}
-        base = measure(logs["no-failures"], setup["steps"], None)
+    results, n = [], setup["steps"]
+    logs = {
+        (c, seed): read_log(workdir / f"{c}-seed{seed}.jsonl")
+        for seed in range(setup["seeds"])
+        for c in setup["configs"]
+    }
+    bases = [measure(logs["no-failures", seed], n, None) for seed in range(setup["seeds"])]
+    # The failure-free wall time of the job: the median of its runs, so that one run slowed
+    # by a busy machine does not shift every overhead of its seed.
+    baseline_s = statistics.median(m.wall_s for m in bases)
+    for seed, base in enumerate(bases):
         weights = cj.sim.progress_weights(base.losses, TIME_WEIGHT)
-        for config, attempts in logs.items():
-            res = Result(config, seed, measure(attempts, setup["steps"], weights))
-            score(res, base, weights, setup["steps"])
+        for config in setup["configs"]:
+            res = Result(config, seed, measure(logs[config, seed], n, weights))
+            score(res, baseline_s, weights, n)
             results.append(res)
     expect(results, setup["mtbf"])
     return Report(setup, results)
@@ -628,7 +636,8 @@ class Report:
             ])  # fmt: skip
             restarts = [x for r in rs for x in r.m.restarts]
             saves = sum(r.saves for r in rs)
-            slower = mean([r.m.step_time_s / self.base[r.seed].step_time_s - 1.0 for r in rs])
+            base_step = statistics.median(m.step_time_s for m in self.base.values())
+            slower = mean([r.m.step_time_s / base_step - 1.0 for r in rs])
             costs.append([
                 c, str(len(restarts)), f"{mean([sum(x.values()) for x in restarts]):.1f}",
                 *(f"{mean([x[k] for x in restarts]):.2f}" for k in PHASES),
@@ -666,12 +675,12 @@ class Report:
         if "coci" in mean and others:
             best = min(others, key=mean.get)
             weighted = {(r.config, r.seed): r.weighted_s for r in self.scored}
-            per_seed = [1.0 - weighted["coci", s] / weighted[best, s] for s in sorted(self.base)]
+            pct = lambda a, b: f"{1.0 - a / b:+.0%}" if b > 0 else "n/a"
+            per_seed = [pct(weighted["coci", s], weighted[best, s]) for s in sorted(self.base)]
             rows.append((
                 "coci's mean weighted overhead below every other configuration's",
                 f"coci {mean['coci']:.1f} s, best other {best} {mean[best]:.1f} s: reduction "
-                f"{statistics.fmean(per_seed):+.0%} (per seed "
-                f"{', '.join(f'{x:+.0%}' for x in per_seed)})",
+                f"{pct(mean['coci'], mean[best])} (per seed {', '.join(per_seed)})",
                 "met" if all(mean["coci"] < mean[c] for c in others) else "NOT met",
             ))  # fmt: skip
         if self.scored:
@@ -737,11 +746,12 @@ class Report:
             f"(hashed n-gram embeddings and a Flax MLP; {self.state_mib:.0f} MiB of parameters "
             "and Adam moments). Failures: SIGKILL at seeded Poisson times, the same for every "
             "configuration of a seed, and a restart at once. Overhead: wall time minus the "
-            "failure-free run's; rest = overhead - stall - recomputed - recovery (steps slower "
-            "than in the failure-free run). Weighted: recomputed seconds weighted by hindsight "
-            f"progress (time_weight {TIME_WEIGHT}). sim: `cj.sim.replay` of the run (its saves "
-            "and failures, its mean step time, stall per save and recovery time); expected: "
-            "`cj.sim.expected_overhead` of the run's schedule with the same measurements.",
+            "median failure-free wall time; rest = overhead - stall - recomputed - recovery "
+            "(steps slower than in the failure-free runs). Weighted: recomputed seconds "
+            f"weighted by hindsight progress (time_weight {TIME_WEIGHT}). sim: `cj.sim.replay` "
+            "of the run (its saves and failures, its mean step time, stall per save and "
+            "recovery time); expected: `cj.sim.expected_overhead` of the run's schedule with "
+            "the same measurements.",
         ]
         for title, columns, rows in self.tables():
             lines += ["", f"{title[0].upper()}{title[1:]}:", "", "| " + " | ".join(columns) + " |",
