@@ -257,7 +257,7 @@ def read_log(path: Path) -> list[Attempt]:
     return attempts
 
 
-PHASES = ("start", "open", "restore", "compile")  # of a restart, in order
+PHASES = ("start", "open", "restore or init", "compile")  # of a restart, in order
 
 
 @dataclass
