@@ -625,6 +625,7 @@ class Report:
         mean = lambda xs: statistics.fmean(xs) if xs else math.nan
         sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
         summary, costs = [], []
+        base_step = statistics.median(m.step_time_s for m in self.base.values())
         for c, rs in self.by_config().items():
             weighted = [r.weighted_s for r in rs]
             summary.append([
@@ -636,7 +637,6 @@ class Report:
             ])  # fmt: skip
             restarts = [x for r in rs for x in r.m.restarts]
             saves = sum(r.saves for r in rs)
-            base_step = statistics.median(m.step_time_s for m in self.base.values())
             slower = mean([r.m.step_time_s / base_step - 1.0 for r in rs])
             costs.append([
                 c, str(len(restarts)), f"{mean([sum(x.values()) for x in restarts]):.1f}",
