@@ -5,6 +5,12 @@
     python examples/torch_train.py                  # ...and resumes from the latest save
     torchrun --nproc_per_node=2 examples/torch_train.py --dir ckpt/torch_2ranks  # 2 ranks
 
+``kill -TERM`` (what a scheduler sends before it preempts a machine; to the process, to any
+rank, or to ``torchrun``, which passes it on) saves the current step at once and exits with
+status 0 and one line naming the step (a ``torchrun`` that got the signal itself exits 1 after
+its ranks have); the same command resumes there. A finished run has saved its last step, so
+running it again trains nothing.
+
 Needs ``pip install 'cocijax[torch]' torchdata scikit-learn``. The data set (1,797 8x8 images)
 ships inside scikit-learn, so this runs offline on a CPU: about 20 s on the 2-core development
 machine while other jobs shared it, 6 s of them training and the rest start-up (imports,
@@ -209,7 +215,7 @@ def main(argv=None) -> int:
             console.print(f"resumed from step {start} ({Path(args.dir)}, {world} rank(s))")
         else:
             console.print(f"fresh run in {Path(args.dir)} ({world} rank(s))")
-        saves = []
+        saves, preempted = [], None
         progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -230,7 +236,8 @@ def main(argv=None) -> int:
                 loss.backward()
                 opt.step()
                 sched.step()
-                # The last step is always saved: the final model of a finished job is kept.
+                # The final model of a finished job is kept: coci knows total_steps and saves
+                # the last step itself; the other policies here need force=True for it.
                 if mngr.save(
                     step,
                     state,
@@ -246,22 +253,28 @@ def main(argv=None) -> int:
                         highlight=False,
                     )
                 progress.update(task, advance=1, loss=loss.item(), saves=len(saves))
+                if mngr.reached_preemption:  # SIGTERM: this step is saved and committed
+                    preempted = step
+                    break
                 if step == args.crash_at and args.crash_rank in (None, rank):
                     # No clean-up at all, like a node failure: a save still being written is
                     # lost, and the next run removes its temporary directory.
                     print(f"rank {rank}: simulated crash after step {step}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
-        mngr.wait_until_finished()
-        model.eval()
-        with torch.no_grad():
-            acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-        digest = parameter_digest(model)
-        console.print(
-            f"done: step {args.steps}, test accuracy {acc:.3f}, {len(saves)} saves this run, "
-            f"checkpoints on disk: {mngr.all_steps()}",
-            highlight=False,
-        )
-        console.print(f"parameter digest: {digest}", highlight=False)
+        if preempted is not None:
+            console.print(f"preempted: step {preempted} saved; run the same command to resume")
+        else:
+            mngr.wait_until_finished()
+            model.eval()
+            with torch.no_grad():
+                acc = (model(x_test).argmax(1) == y_test).float().mean().item()
+            digest = parameter_digest(model)
+            console.print(
+                f"done: step {args.steps}, test accuracy {acc:.3f}, {len(saves)} saves this "
+                f"run, checkpoints on disk: {mngr.all_steps()}",
+                highlight=False,
+            )
+            console.print(f"parameter digest: {digest}", highlight=False)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -10,17 +10,24 @@ Under ``torchrun`` every rank opens its manager and calls ``save`` and ``restore
 each rank's shards into the one step directory, every rank takes rank 0's decisions (its
 measured inputs are broadcast, see ``_ranks``), and rank 0 alone commits, deletes and holds the
 directory's lock, once every rank's writes are done.
+
+Retention and preemption are the JAX manager's, from the same modules: best-N by ``metrics``
+(``cocijax.manager._retention``, rank 0 deciding from the metrics in each step's
+``cocijax.json``) and preemption signals turned into one save (``cocijax.manager._preemption``,
+the ranks' flags gathered on the ``control`` group so that all save the same step).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
+import signal
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, final
 
@@ -40,6 +47,8 @@ from cocijax.manager._contract import (
 from cocijax.manager._driver import PolicyDriver, check_policy
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
+from cocijax.manager._preemption import PreemptionWatcher, check_signals
+from cocijax.manager._retention import BestN, MetricsCheck
 from cocijax.torch._directory import (
     METADATA_NAME,
     TMP_PREFIX,
@@ -63,6 +72,8 @@ from cocijax.torch._state import (
 )
 
 __all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
 
 # DCP warns on every single-process save/load, even with no_dist=True, which is this module's
 # mode without a process group; the async save warns from a worker thread, where
@@ -98,7 +109,21 @@ class CheckpointManager:
 
     Step time is measured between ``save`` calls; checkpoint cost is the time ``save`` blocks
     (host copy, plus waiting for the previous save when it is still being written). Both feed
-    the policy, with the loss, on every call.
+    the policy, with the loss, on every call. A policy that knows the job's ``total_steps``
+    saves the last step, so a finished job keeps its final state; otherwise pass ``force=True``
+    at the last step.
+
+    **Best N.** ``metrics`` given to ``save`` are recorded in the step's ``cocijax.json``
+    (rank 0's, with several ranks); with ``best_fn`` the ``max_to_keep`` best steps by them are
+    kept, and the ``keep_latest`` newest whatever their metrics, as in the JAX manager.
+
+    **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
+    (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
+    says, waits until it is committed, returns True and sets :attr:`reached_preemption`: leave
+    the loop then. With several ranks a signal to any one of them is enough: the ranks gather
+    their flags at the first step and then about once per second of rank 0's step time, and
+    all save at the first such step after the signal. The previous handlers are back after
+    :meth:`close`.
 
     **Several ranks.** Initialise the process group (``torch.distributed.init_process_group``)
     before opening the manager; then opening, ``save``, ``restore`` and ``close`` are
@@ -112,16 +137,27 @@ class CheckpointManager:
     Args:
       directory: where checkpoints live; created if missing.
       policy: a ``cocijax.policies.Policy``; defaults to ``cocijax.policies.coci()``.
-      max_to_keep: keep only the newest this many committed steps (``None`` keeps all).
+      max_to_keep: keep only the newest this many committed steps (``None`` keeps all); with
+        ``best_fn``, this many of the best steps.
+      best_fn: ranks a step by its ``metrics`` (a dict -> a number): the ``max_to_keep`` best
+        steps are kept, and the ``keep_latest`` newest whatever their metrics. A step saved
+        without ``metrics`` is not ranked: it is kept only while it is one of the newest.
+      best_mode: ``"max"`` (default) or ``"min"``: whether larger ``best_fn`` values are better.
+      keep_latest: with ``best_fn``, the newest steps kept whatever their metrics (default 1;
+        0 ranks every step, the newest too).
+      preemption_signals: the signals that announce a preemption (default SIGTERM); ``()``
+        turns preemption saves off.
       use_async: write in the background with ``dcp.async_save`` (default); ``False`` writes
         and commits inside ``save``.
       prior_mtbf_s: the MTBF the learned estimate starts from (as for the JAX manager).
       clock: a monotonic clock in seconds; injectable so tests can replay step times.
 
     Raises:
-      ValueError: when ``max_to_keep`` < 1, or ``directory`` holds checkpoints that were not
-        written by ``cocijax.torch``.
-      TypeError: when ``policy`` is not a policy.
+      ValueError: when ``max_to_keep`` < 1, ``best_mode``/``keep_latest``/
+        ``preemption_signals`` are out of range, or ``directory`` holds checkpoints that were
+        not written by ``cocijax.torch``.
+      TypeError: when ``policy`` is not a policy, ``best_fn`` is not callable, or
+        ``preemption_signals`` is not a sequence of signals.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Examples:
@@ -149,6 +185,10 @@ class CheckpointManager:
         *,
         policy: _policies.Policy | None = None,
         max_to_keep: int | None = None,
+        best_fn: Callable[[Mapping[str, Any]], Any] | None = None,
+        best_mode: str = "max",
+        keep_latest: int = 1,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
         use_async: bool = True,
         prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -156,6 +196,12 @@ class CheckpointManager:
         age = process_age_s()
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        best = None
+        if best_fn is not None:
+            best = BestN(
+                best_fn, best_mode=best_mode, max_to_keep=max_to_keep, keep_latest=keep_latest
+            )
+        signals = check_signals(preemption_signals)
         policy = _policies.coci() if policy is None else policy
         check_policy(policy)
         prior = _policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
@@ -178,10 +224,16 @@ class CheckpointManager:
             clock=clock,
             history=self._history,
             prior_mtbf_s=prior,
+            save_final_step=True,
             broadcast=self._ranks.broadcast,
         )
         self._policy_warned = False
         self._max_to_keep = max_to_keep
+        self._best = best
+        self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
+        self._metrics: dict[int, dict[str, Any] | None] = {}  # rank 0: read once from disk
+        self._preempted_step: int | None = None
+        self._reached_preemption = False
         self._use_async = use_async
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "cocijax-torch-commit")
@@ -190,6 +242,14 @@ class CheckpointManager:
         self._history.adopt(None)
         if latest is not None:
             self._load_policy_state(latest, self._steps[-1], history=True)
+        # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
+        # a signal to its ranks one after the other (rank 0's broadcast would miss the others).
+        self._preemption = PreemptionWatcher(
+            signals,
+            owner=str(self._dir),
+            allgather=self._ranks.allgather if self._ranks.world > 1 else None,
+        )
+        self._preemption.install()
 
     def _open_directory(self) -> tuple[list[int], str, dict | None]:
         """Rank 0: locks the directory, removes leftovers, lists the steps."""
@@ -233,6 +293,11 @@ class CheckpointManager:
         return self._driver.measurements()
 
     @property
+    def reached_preemption(self) -> bool:
+        """A preemption signal arrived and its step has been saved and committed: stop now."""
+        return self._reached_preemption
+
+    @property
     def checkpoint_cost_s(self) -> float:
         """The latest measured stall of a save in seconds (NaN before the first save)."""
         return self._driver.cost_s
@@ -247,6 +312,20 @@ class CheckpointManager:
         with self._lock:
             return self._steps[-1] if self._steps else None
 
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The ``metrics`` saved with ``step`` (rank 0's), or ``None`` without; waits for a save
+        in flight.
+
+        Raises:
+          FileNotFoundError: ``step`` is not a committed step.
+        """
+        self.wait_until_finished()
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._dir}; have {self.all_steps()}"
+            )
+        return read_metadata(self._dir, step).get("metrics")
+
     # -------------------------------------------------------------------------------- save
     def save(
         self,
@@ -256,55 +335,84 @@ class CheckpointManager:
         loss: Any,
         force: bool = False,
         extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> bool:
         """Reports a finished training step; checkpoints it when the policy says so.
+
+        After a preemption signal, the step is saved whatever the policy says, and ``save``
+        returns only once it is committed (see the class docstring).
 
         Args:
           step: the number of completed training steps (1-based), larger than every saved step.
           state: the named objects to save (see the class docstring).
           loss: this step's training loss (a float or a 0-d tensor; NaN/inf are passed on and
             ignored by the policies). A tensor is read with ``float``, which waits for it.
-          force: save whatever the policy decides (e.g. on the last step). The policy is still
-            called, so its state keeps counting steps. With several ranks, the same on all.
+          force: save whatever the policy decides (e.g. the last step of a job whose policy
+            does not know ``total_steps``). The policy is still called, so its state keeps
+            counting steps. With several ranks, the same on all.
           extra: further objects with ``state_dict``/``load_state_dict`` saved with the step,
-            per rank (e.g. ``{"loader": stateful_dataloader}``); their ``state_dict`` is called
-            only when this step is saved, so passing them at every call costs nothing.
+            per rank (e.g. ``{"loader": stateful_dataloader}``); looked at only when this step
+            is saved, so passing them at every call costs nothing.
+          metrics: scalars recorded with the step (numbers or one-element tensors; rank 0's
+            with several ranks); ``best_fn`` ranks the steps by them. Looked at only when this
+            step is saved.
 
         Returns:
-          True when this step is being saved.
+          True when this step is being saved (a preemption save: has been committed).
 
         Raises:
           ValueError: when ``step`` is not larger than the latest saved step or the previous
             call's, ``loss`` has several elements, ``state`` uses the reserved key
-            ``"cocijax"``, or ``extra`` a reserved name (``state``, ``policy``).
-          TypeError: when ``step`` is not an int, ``loss`` is not a number, or an ``extra``
-            object lacks ``state_dict``/``load_state_dict`` (naming its key).
+            ``"cocijax"``, ``extra`` a reserved name (``state``, ``policy``), or ``best_fn``
+            fails on ``metrics``.
+          TypeError: when ``step`` is not an int, ``loss`` is not a number, an ``extra``
+            object lacks ``state_dict``/``load_state_dict`` (naming its key), or ``metrics``
+            holds a non-scalar (naming its key).
         """
         self._check_open()
         step = _as_step(step)
         check_step_order(step, self.latest_step(), self._driver.step, self._dir)
         if RESERVED in state:
             raise ValueError(f"state key {RESERVED!r} is reserved by cocijax.torch")
-        extra = check_extra(extra)
         loss = _as_float(loss)
-        # Preemption saves (issue 10) plug in here: a received signal rides the broadcast of
-        # rank 0's inputs in the driver and makes this `force`; save then waits for the commit.
-        if not (self._driver.decide(step, loss=loss) or force):
+        saved = self._driver.decide(step, loss=loss) or force
+        # One attribute test per step, unless the ranks gather their flags at agreed steps.
+        preempted = (self._preemption.polled or self._preemption.signal is not None) and (
+            self._preemption.due(step, self._driver.step_time_s)
+        )
+        if not (saved or preempted):
             return False
+        if preempted:
+            self._preempted_step = step  # what the job resumes from: retention keeps it
+        self._save(step, state, loss, extra, metrics)
+        if preempted:
+            self.wait_until_finished()
+            self._reached_preemption = True
+            log.info("%s: preemption signal: step %d saved and committed", self._dir, step)
+        return True
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], loss: float, extra: Any, metrics: Any
+    ) -> None:
         tmp = self._dir / f"{TMP_PREFIX}{step}-{self._session}"
         control, writes = self._ranks.control, self._ranks.writes
+
+        def stage() -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+            objects = check_extra(extra)
+            # Warns with the user's call as its place (save -> _save -> agree -> stage -> here).
+            recorded = self._check_metrics(metrics, step=step, stacklevel=5)
+            own = own_entry(step, self.rank, objects)
+            return {**to_state_dict(state), RESERVED: own}, sorted(objects), recorded
+
         try:
             # The stall this save costs the loop: waiting for the previous save plus staging.
             with self._driver.saving():
                 self._wait_pending()
                 with self._lock:
                     self._steps.append(step)
-                # One rank's failure here (a state_dict that raises) stops every rank before
-                # any of them starts DCP's collective write.
-                state_dict = self._ranks.agree(
-                    lambda: {**to_state_dict(state), RESERVED: own_entry(step, self.rank, extra)},
-                    group=control,
-                )
+                # One rank's failure here (bad input, a state_dict that raises) stops every
+                # rank before any of them starts DCP's collective write.
+                state_dict, names, recorded = self._ranks.agree(stage, group=control)
                 snapshot = self._driver.snapshot(loss)
                 if self._use_async:
                     write = dcp.async_save(
@@ -313,7 +421,7 @@ class CheckpointManager:
                 else:
                     dcp.save(state_dict, checkpoint_id=tmp, **self._ranks.dcp_args(writes))
                     write = None
-            meta = {"world_size": self._ranks.world, "extra": sorted(extra)}
+            meta = {"world_size": self._ranks.world, "extra": names, "metrics": recorded}
             if write is None:
                 self._commit(step, tmp, meta, snapshot, None)
             else:
@@ -323,7 +431,6 @@ class CheckpointManager:
         except BaseException:
             self._abandon(step, tmp)
             raise
-        return True
 
     def _commit(self, step: int, tmp: Path, meta: dict, snapshot: dict, write: Any) -> None:
         """Waits for every rank's DCP write, then rank 0 publishes ``tmp`` as ``<step>``."""
@@ -351,24 +458,33 @@ class CheckpointManager:
             remove(tmp)
 
     def _retire(self) -> None:
-        """Drops the steps that retention no longer keeps (rank 0 deletes them)."""
+        """Drops the steps that retention no longer keeps: rank 0 decides and deletes them."""
+        if self._best is None and self._max_to_keep is None:
+            return  # everything is kept: no collective needed
+        doomed = self._ranks.lead(self._doomed, group=self._ranks.writes)
         with self._lock:
-            doomed = self._doomed(self._steps)
             self._steps = [s for s in self._steps if s not in doomed]
         if self._ranks.leader:
             for s in doomed:
                 remove(self._dir / str(s))
 
-    def _doomed(self, steps: list[int]) -> list[int]:
-        """The committed steps retention drops: the oldest beyond ``max_to_keep``.
-
-        Best-N by metrics (issue 10) replaces this choice with the one of
-        ``cocijax.manager._retention`` (reading each step's metrics from its ``cocijax.json``);
-        the deletion around it stays.
-        """
-        if self._max_to_keep is None:
-            return []
-        return steps[: max(len(steps) - self._max_to_keep, 0)]
+    def _doomed(self) -> list[int]:
+        """Rank 0: the committed steps retention drops (the oldest beyond ``max_to_keep``, or
+        those best-N does not keep, ranked by the metrics in their ``cocijax.json``)."""
+        steps = self.all_steps()
+        if self._best is None:
+            if self._max_to_keep is None:
+                return []
+            return steps[: max(len(steps) - self._max_to_keep, 0)]
+        for s in steps:
+            if s not in self._metrics:
+                self._metrics[s] = read_metadata(self._dir, s).get("metrics")
+        doomed = self._best.to_delete({s: self._metrics[s] for s in steps})
+        # Even with keep_latest=0 the preemption save stays: the job resumes from it.
+        doomed = [s for s in doomed if s != self._preempted_step]
+        for s in doomed:
+            del self._metrics[s]
+        return doomed
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -500,6 +616,7 @@ class CheckpointManager:
         finally:
             self._executor.shutdown(wait=True)
             self._closed = True
+            self._preemption.uninstall()
             self._history.close()
             self._dir_lock.release()
             self._ranks.close()

@@ -80,6 +80,19 @@ class Ranks:
         dist.broadcast(tensor, src=0, group=self.control)
         return tensor.numpy()
 
+    def allgather(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's ``values``, stacked in rank order: shape ``(world, *values.shape)``.
+
+        The preemption watcher gathers each rank's signal flag with it (on :attr:`control`),
+        so that a signal any one rank received makes every rank save the same step.
+        """
+        tensor = torch.from_numpy(np.array(values, copy=True))
+        if self.control is None:
+            return tensor.numpy()[None]
+        gathered = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(gathered, tensor, group=self.control)
+        return torch.stack(gathered).numpy()
+
     def lead(self, fn: Callable[[], T], *, group: dist.ProcessGroup | None) -> T:
         """Runs ``fn`` on rank 0 only; every rank returns its result or raises its error.
 

@@ -3,8 +3,9 @@
 Every rank feeds the manager its own step times, losses and save costs (a scripted clock), so
 a rank deciding on its own inputs would save at other steps than rank 0. Each rank saves an
 ``extra`` counter and draws from its RNGs with its own seed; then it reopens the directory,
-scrambles its state, restores, and records what came back in ``out/rank<r>.json``; last, rank
-1's extra item fails at a forced save.
+scrambles its state, restores, and records what came back in ``out/rank<r>.json``; then rank
+1's extra item fails at a forced save; last, both ranks save steps with best-N retention, each
+passing its own metrics (rank 1's rank the steps the other way round).
 """
 
 from __future__ import annotations
@@ -68,11 +69,22 @@ def main() -> None:
         saved_after_error = mngr.save(n + 2, state, loss=1.0, force=True)
         mngr.wait_until_finished()
         steps_after_next = mngr.all_steps()
+    best_dir = Path(cfg["directory"]).with_name("best")
+    best = {"best_fn": lambda m: m["acc"], "max_to_keep": 2}
+    with cjt.CheckpointManager(best_dir, policy=policy, clock=clock, **best) as mngr:
+        for step, acc in enumerate(cfg["accuracies"], 1):
+            mine = acc if rank == 0 else 1.0 - acc
+            mngr.save(step, state, loss=1.0, force=True, metrics={"acc": torch.tensor(mine)})
+        mngr.wait_until_finished()
+        best_steps = mngr.all_steps()
+        best_metrics = {s: mngr.metrics(s) for s in best_steps}
     record = {
         "error": error,
         "steps_after_error": steps_after_error,
         "saved_after_error": saved_after_error,
         "steps_after_next": steps_after_next,
+        "best_steps": best_steps,
+        "best_metrics": best_metrics,
         "decisions": decisions,
         "latest": latest,
         "steps_on_disk": sorted(

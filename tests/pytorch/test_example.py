@@ -1,7 +1,8 @@
-"""``examples/torch_train.py`` run as its docstring says: crash at 500, rerun, rerun again."""
+"""``examples/torch_train.py`` run as its docstring says: crash at 500, rerun, SIGTERM, rerun."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +18,7 @@ def _start(directory: Path, *args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),  # each line as it is printed
     )
 
 
@@ -51,9 +53,24 @@ def test_the_example_with_its_defaults_resumes_and_keeps_its_final_model(tmp_pat
     before = _steps(ckpt)
     assert before and before[-1] <= 500, "no save before the crash: nothing to resume from"
 
+    # The rerun resumes; a SIGTERM after its first save makes it save at once and exit 0.
+    preempted = _start(ckpt)
+    lines = []
+    for line in preempted.stdout:
+        lines.append(line)
+        if re.match(r"step\s+\d+: saved", line):
+            preempted.send_signal(signal.SIGTERM)
+            break
+    rest = _wait(preempted)
+    out = "".join(lines) + rest.stdout
+    assert rest.returncode == 0, rest.stderr
+    assert f"resumed from step {before[-1]}" in out
+    (at,) = re.findall(r"^preempted: step (\d+) saved; run the same command to resume$", out, re.M)
+    assert _steps(ckpt)[-1] == int(at) < 1000 and "done:" not in out
+
     resumed = _run(ckpt)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {before[-1]}" in resumed.stdout
+    assert f"resumed from step {at}" in resumed.stdout
     assert _digest(resumed.stdout) == _digest(uninterrupted.stdout)
     assert _steps(ckpt)[-1] == 1000  # the final step is saved
 

@@ -2,8 +2,9 @@
 
 Each job is a real ``torchrun --nproc_per_node=2`` process tree; kills are real ``SIGKILL``s,
 of one rank (``--crash-at``/``--crash-rank`` of the example) or of the whole job (the launcher
-and every rank, from here, while a save is in flight). The checks read the files the jobs left
-and the lines they printed.
+and every rank, from here, while a save is in flight); preemption notices are real
+``SIGTERM``s, to one rank or to ``torchrun``. The checks read the files the jobs left and the
+lines they printed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,14 @@ from torch_helpers import ManualClock, SlowStaging, replay
 
 import cocijax as cj
 import cocijax.torch as cjt
+from cocijax.manager._retention import BestN
 
 HERE = Path(__file__).parent
 EXAMPLE = HERE.parents[1] / "examples" / "torch_train.py"
 TIMEOUT_S = 300
+# Accuracies of steps 1..8 for best-N: the newest step is the worst but one.
+ACC = [0.5, 0.875, 0.625, 0.9375, 0.375, 0.75, 0.8125, 0.4375]  # exact in float32
+BEST = BestN(lambda m: m["acc"], max_to_keep=2)
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -128,6 +134,7 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
         "out": str(out),
         "policy_kwargs": policy_kwargs,
         "ranks": ranks,
+        "accuracies": ACC,
     }
     job = _run(HERE / "_ranks_worker.py", json.dumps(cfg))
     assert job.returncode == 0, job.stdout[-5000:]
@@ -160,6 +167,15 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
     for record in records:
         assert record["steps_after_error"] == saved_steps
         assert record["saved_after_error"] and record["steps_after_next"][-1] == n + 2
+
+    # Best-N: rank 0's metrics are recorded and rank the steps, the same on both ranks.
+    doomed = BEST.to_delete({s: {"acc": acc} for s, acc in enumerate(ACC, 1)})
+    kept = [s for s in range(1, len(ACC) + 1) if s not in doomed]
+    assert kept == [2, 4, 8]  # the two best, and the newest
+    assert records[0]["best_steps"] == records[1]["best_steps"] == kept
+    assert _committed(tmp_path / "best") == kept
+    for record in records:
+        assert record["best_metrics"] == {str(s): {"acc": ACC[s - 1]} for s in kept}
 
     # One process restores the 2-rank checkpoint: the state reshards; per-rank state cannot.
     model = torch.nn.Linear(4, 3)
@@ -220,3 +236,62 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     assert f"resumed from step {second[-1]}" in final.stdout
     assert _digest(final.stdout) == _digest(reference.stdout)
     assert _committed(ckpt)[-1] == 100
+
+
+def _preempted(output: str) -> int:
+    found = re.findall(r"^preempted: step (\d+) saved; run the same command", output, re.M)
+    assert len(found) == 1, output[-3000:]  # one line, by rank 0
+    return int(found[0])
+
+
+def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The process of ``rank`` in a job started by :func:`_launch`."""
+    (process,) = [
+        p
+        for p in psutil.Process(launcher.pid).children()  # torchrun starts the ranks itself
+        if p.environ().get("RANK") == str(rank)
+    ]
+    return process
+
+
+def _signal_after_first_save(cmd: list[str], target) -> subprocess.CompletedProcess[str]:
+    """Runs a 2-rank job of the example and SIGTERMs ``target(launcher)`` once it has saved."""
+    launcher = _launch(EXAMPLE, *cmd)
+    watchdog = threading.Timer(TIMEOUT_S, _kill_job, (launcher,))
+    watchdog.start()
+    lines = []
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if re.match(r"step\s+\d+: saved", line):
+                target(launcher).send_signal(signal.SIGTERM)
+                lines.extend(launcher.stdout)  # the rest, until the job ends
+                break
+        launcher.wait(timeout=TIMEOUT_S)
+    finally:
+        watchdog.cancel()
+        if launcher.poll() is None:
+            _kill_job(launcher)
+        launcher.stdout.close()
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, "".join(lines))
+
+
+def test_sigterm_makes_both_ranks_save_one_step_and_the_rerun_resumes_there(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # Far more steps than run before the signal: the job ends only by it.
+    cmd = ["--dir", str(ckpt), "--steps", "100000", "--policy", "fixed", "--every", "20"]
+
+    # 1. SIGTERM to rank 1 alone (a scheduler notifying one node): rank 0 learns of it when
+    # the ranks gather their flags, both save the same step, and both exit 0 (torchrun's 0).
+    first = _signal_after_first_save(cmd, lambda launcher: _rank_process(launcher, 1))
+    assert first.returncode == 0, first.stdout[-5000:]
+    step = _preempted(first.stdout)
+    assert _committed(ckpt)[-1] == step  # both ranks' files: both took that save
+
+    # 2. The rerun resumes there. SIGTERM to torchrun, which passes it on to both ranks (and
+    # then exits 1 itself, re-raising the signal it got): they save one step again.
+    second = _signal_after_first_save(cmd, lambda launcher: launcher)
+    assert f"resumed from step {step}" in second.stdout, second.stdout[-5000:]
+    again = _preempted(second.stdout)
+    assert again > step and _committed(ckpt)[-1] == again
+    assert "done:" not in second.stdout
