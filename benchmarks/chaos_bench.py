@@ -25,16 +25,20 @@ interval, the phases of every start) and the supervisor's kill times:
   same, and one run slowed by a busy machine would otherwise shift a whole seed);
 * its split: **stall** (time ``save`` blocked), **recomputed** (the work each failure destroyed:
   from the end of the step the next process resumed from, or from the killed process's start of
-  training if none of its steps survived, to the kill, stalls excluded), **recovery** (from
-  each kill to the next start of training; all of it when a failure strikes during a
-  recovery), and the **rest** (steps slower than in the failure-free runs: background writes
-  competing for the cores, and machine noise);
+  training if none of its steps survived, to the kill, stalls excluded; the part lost because
+  the newest save had not committed is shown apart), **recovery** (from each kill to the next
+  start of training, which a restart reaches after its first step's warm-up; all of it when a
+  failure strikes during a recovery), and the **rest** (steps slower than in the failure-free
+  runs: background writes competing for the cores, and machine noise);
 * **weighted overhead**: the overhead with each recomputed second weighted by the hindsight
   progress weight of its step (:func:`cocijax.sim.progress_weights` of a failure-free run's
-  loss curve, ``time_weight`` 0.25, as ``benchmarks/policy_bench.py`` scores policies);
+  loss curve, ``time_weight`` 0.25, as ``benchmarks/policy_bench.py`` scores policies); and
+  the same **without the rest** (stall + weighted recomputed + recovery: what ``policy_bench``
+  scores, free of the machine's noise in the step time);
 * **sim**: :func:`cocijax.sim.replay` of the run (its save steps and failure times, its mean
   step time, its mean stall per save, its mean recovery time); the simulated job's overhead is
-  taken against the same failure-free wall time as the measured one;
+  taken against the same failure-free wall time as the measured one, and compared part by part
+  (failures, stall, recomputed, recovery) with the run's;
 * **expected**: :func:`cocijax.sim.expected_overhead` of the run's schedule with the same
   measurements under Poisson failures (what ``policy_bench`` would score), with the run's own
   recovery time and with the mean recovery time of all runs;
