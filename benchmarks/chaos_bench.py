@@ -799,6 +799,52 @@ class Report:
             f"{su['elapsed_s'] / 60:.1f} min in all"
         )
 
+    def findings(self) -> list[str]:
+        """What the tables say about noise, recovery and the replay, computed from them."""
+        out, by = [], self.by_config()
+        steps = [r.m.step_time_s * 1e3 for r in self.results]
+        out.append(
+            f"Machine noise: the mean step time of the runs ranged from {min(steps):.0f} to "
+            f"{max(steps):.0f} ms (same job, same steps), the failure-free wall time from "
+            f"{min(m.wall_s for m in self.base.values()):.0f} to "
+            f"{max(m.wall_s for m in self.base.values()):.0f} s."
+        )
+        rec = {c: [x for r in rs for x in r.m.restarts] for c, rs in by.items()}
+        if all(rec.values()):
+            part = lambda c, k: statistics.fmean(x[k] for x in rec[c])
+            each = [f"{c} {sum(part(c, k) for k in PHASES):.1f} s, compile "
+                    f"{part(c, 'compile'):.1f} s" for c in rec]  # fmt: skip
+            out.append(
+                "Mean restart (kill to training) and its compile phase (the training step's "
+                "compilation, and the policy update's, which the manager compiles meanwhile): "
+                f"{'; '.join(each)}."
+            )
+        if self.scored:
+            drift = [r for r in self.scored if round(r.sim.failures) != len(r.m.failure_times)]
+            lost = sum(r.m.recompute_s for r in self.scored)
+            unsafe = sum(r.m.uncommitted_s for r in self.scored)
+            diff = lambda f: sum(abs(f(r)) for r in self.scored)
+            out.append(
+                f"Replay against runs, summed over the {len(self.scored)} runs: |recomputed "
+                f"difference| {diff(lambda r: r.m.recompute_s - r.sim.recompute_s):.0f} s, "
+                f"|recovery difference| {diff(lambda r: r.m.recovery_s - r.sim.recovery_s):.0f}"
+                f" s, |stall difference| {diff(lambda r: r.m.stall_s - r.sim.stall_s):.0f} s. "
+                f"{len(drift)} replays met another number of failures than their run (the "
+                "replayed job, at mean step and recovery times, was elsewhere when they came). "
+                f"{unsafe:.0f} s of the {lost:.0f} s recomputed were lost because the newest "
+                "save had not committed yet (the simulator counts a save as safe when its "
+                "stall ends)."
+            )
+            exp = {c: statistics.fmean(r.expected_common_s for r in rs) for c, rs in by.items()}
+            meas = {c: statistics.fmean(r.weighted_s for r in rs) for c, rs in by.items()}
+            order = lambda d: " < ".join(sorted(d, key=d.get))
+            out.append(
+                "Ranking by the simulator's expected weighted overhead of each run's schedule "
+                f"(measured costs, a common recovery time): {order(exp)}; by the measured "
+                f"weighted overhead: {order(meas)}."
+            )
+        return out
+
     def print(self, console: Console) -> None:
         for title, columns, rows in self.tables():
             table = Table(title=title)
@@ -808,6 +854,18 @@ class Report:
                 table.add_row(*row)
             console.print(table)
         console.print(self.describe(), highlight=False)
+        for line in self.findings():
+            console.print(f"- {line}", highlight=False)
+
+    def command(self) -> list[str]:
+        """The run's options, without where its files went (machine paths stay out of docs)."""
+        out, args = [], iter(self.setup["argv"])
+        for a in args:
+            if a in ("--workdir", "--json", "--plot"):
+                next(args, None)
+            elif a.split("=")[0] not in ("--workdir", "--json", "--plot", "--write"):
+                out.append(a)
+        return out
 
     def markdown(self) -> str:
         lines = [
@@ -816,7 +874,7 @@ class Report:
             f"Machine: {cpu_and_ram()}; work directory on {self.setup.get('disk', '?')}; "
             f"{datetime.date.today().isoformat()}; Python "
             f"{platform.python_version()}. Command: `python benchmarks/chaos_bench.py "
-            f"{' '.join(self.setup['argv'])}`.",
+            f"{' '.join(self.command())}`.",
             "",
             f"{self.describe()}.",
             "",
@@ -835,6 +893,8 @@ class Report:
             lines += ["", f"{title[0].upper()}{title[1:]}:", "", "| " + " | ".join(columns) + " |",
                       "|" + "---|" * len(columns)]  # fmt: skip
             lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += ["", "Findings (computed from the tables):", ""]
+        lines += [f"- {line}" for line in self.findings()]
         lines += ["", "![chaos benchmark](docs/chaos_bench.png)"]
         return "\n".join(lines)
 
