@@ -221,7 +221,10 @@ def replay(
     """The overhead of one job whose failures came at given times: a recorded run, replayed.
 
     The cost model of :func:`simulate`, with one trial whose failures are not drawn but given,
-    e.g. the failures a real run suffered, to predict what that run should have lost.
+    e.g. the failures a real run suffered, to predict what that run should have lost. As there,
+    a save is safe once its stall ends: an asynchronous save that had not committed when a
+    failure came (the job resumes from the save before it) is not modelled, nor are step,
+    stall and recovery times that vary within the run.
 
     Args:
       save_steps: 1-based steps after which the job saves (as in :func:`simulate`).
