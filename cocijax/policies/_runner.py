@@ -112,7 +112,9 @@ class Runner:
                 future.set_result(None)
 
         self._compiling = future
-        threading.Thread(target=run, name="cocijax-policy-compile", daemon=True).start()
+        # Not a daemon: an interpreter that exits meanwhile waits for XLA rather than
+        # finalising under it.
+        threading.Thread(target=run, name="cocijax-policy-compile").start()
 
     def _wait_compiled(self) -> None:
         future, self._compiling = self._compiling, None
