@@ -873,8 +873,8 @@ class Report:
             "",
             f"Machine: {cpu_and_ram()}; work directory on {self.setup.get('disk', '?')}; "
             f"{datetime.date.today().isoformat()}; Python "
-            f"{platform.python_version()}. Command: `python benchmarks/chaos_bench.py "
-            f"{' '.join(self.command())}`.",
+            f"{platform.python_version()}. Command: "
+            f"`{' '.join(['python', 'benchmarks/chaos_bench.py', *self.command()])}`.",
             "",
             f"{self.describe()}.",
             "",
