@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from _report import BENCH_MD, cpu_and_ram, write_section
+from _report import BENCH_MD, cpu_and_ram, filesystem, write_section
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -237,27 +237,13 @@ def _machine(dirs: dict[str, str], when: float | None = None) -> list[str]:
 
     lines = [f"- Date: {stamp:%Y-%m-%d %H:%M} UTC", f"- CPU: {cpu_and_ram()}"]
     for label, d in dirs.items():
-        lines.append(f"- {label}: {_filesystem(d)}")
+        lines.append(f"- {label}: {filesystem(d)}")
     libs = ["jax", "orbax-checkpoint", "tensorstore", "numpy"]
     lines.append(
         f"- Python {platform.python_version()}, "
         + ", ".join(f"{name} {version(name)}" for name in libs)
     )
     return lines
-
-
-def _filesystem(path: str) -> str:
-    """``fstype on device (mounted at ...)`` for the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best = ("", "?", "?")
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, fstype = line.split()[:3]
-            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-            if inside and len(mnt) > len(best[0]):
-                best = (mnt, dev, fstype)
-    mnt, dev, fstype = best
-    return f"{fstype} on {dev} (mounted at {mnt})"
 
 
 def _fmt_rows(results: dict, trees: list[str], locations: list[str]):

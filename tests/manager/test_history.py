@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import cocijax as cj
-from cocijax.manager._history import MARKER, RunHistory
+from cocijax.manager._history import MARKER, RunHistory, process_age_s
 
 
 class Clock:
@@ -142,8 +142,10 @@ def test_the_manager_learns_a_failure_and_passes_mtbf_and_recovery_to_the_policy
         assert math.isnan(m.recovery_s)  # nothing restored yet
         mngr.restore(target={"x": jax.ShapeDtypeStruct((2,), jnp.float32)})
         mngr.save(4, {"x": jnp.ones(2)}, loss=1.0)
-        # From this process's start (imports, opening, restore) to the first step after it.
-        assert 0.0 < mngr.measurements.recovery_s < 300.0
+        # From this process's start (imports, opening, restore) to the first step after it. The
+        # process is pytest's, which may have run other tests for minutes before this one.
+        age = process_age_s()
+        assert 0.0 < mngr.measurements.recovery_s <= (300.0 if age is None else age)
         mngr.save(5, {"x": jnp.ones(2)}, loss=1.0, force=True)
     assert not (tmp_path / MARKER).exists()  # a clean close
     with cj.CheckpointManager(tmp_path, policy=policy, prior_mtbf_s=7200.0) as mngr:
