@@ -294,14 +294,24 @@ def fsync_dir(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
-def write_json_durably(path: pathlib.Path, data: Any) -> None:
-    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
+def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
+    """Replaces ``path`` by ``data`` atomically (tmp file, rename): readers see all or nothing.
+
+    ``fsync`` makes the data durable before the rename; the rename itself is durable once the
+    directory is fsynced. A file that a later durable write supersedes needs neither.
+    """
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_durably(path: pathlib.Path, data: Any) -> None:
+    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
+    replace_json(path, data, fsync=True)
     fsync_dir(path.parent)
 
 
@@ -389,10 +399,10 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         custom_metadata=first.custom_metadata,
     )
     _check_coverage(merged, item_dir)
-    write_json_durably(item_dir / MANIFEST_NAME, merged.to_json())
+    replace_json(item_dir / MANIFEST_NAME, merged.to_json(), fsync=True)
     for p in part_files:
         p.unlink()
-    fsync_dir(item_dir)
+    fsync_dir(item_dir)  # once, for the manifest's rename and the parts' removal
     return merged
 
 

@@ -22,6 +22,7 @@ from cocijax.storage._io import (
     CHECKSUM,
     aligned_empty,
     checksum,
+    checksums,
     gather_all,
     make_context,
     run_sync,
@@ -106,19 +107,23 @@ class PieceReader:
         return await self._full[key]
 
     async def _load_and_check(self, piece: PieceRecord) -> tuple[np.ndarray, dict[Any, str]]:
-        """The whole file, and the checksum failures of its members (a pack holds many)."""
+        """The whole file, and the checksum failures of its members (a pack holds many).
+
+        Read into an aligned buffer of its own (directly from raw chunk files), so that a whole
+        packed member can be handed out as a view of it (:meth:`member`).
+        """
         array = await self._array(piece)
+        data = aligned_empty(tuple(array.shape), array.dtype.numpy_dtype)
         try:
-            data = await array.read()
+            await self._read_array(piece, array, (...,), data, True)
         except Exception as e:
             raise self._error(piece, f"cannot read the data ({e})") from e
         bad: dict[Any, str] = {}
         if self._verify:
             loop = asyncio.get_running_loop()
             members = self._files[(piece.root, piece.file)]
-            sums = await asyncio.gather(
-                *[loop.run_in_executor(self._pool, checksum, _member(data, m)) for m in members]
-            )
+            views = [_member(data, m) for m in members]
+            sums = await loop.run_in_executor(self._pool, checksums, views)
             for m, got in zip(members, sums, strict=True):
                 if m.checksum is not None and got != m.checksum:
                     bad[_ident(m)] = _mismatch(m.checksum, got)
@@ -161,21 +166,34 @@ class PieceReader:
             raise self._error(piece, bad[_ident(piece)])
         dest[...] = _member(data, piece)[local]
 
+    async def member(self, piece: PieceRecord) -> np.ndarray:
+        """The whole packed member ``piece`` as a view of its file's buffer: no copy.
+
+        Raises:
+          CorruptCheckpointError: the file cannot be read or the member fails its checksum.
+        """
+        try:
+            data, bad = await self._read_full(piece)
+        finally:
+            self._release((piece.root, piece.file))
+        if _ident(piece) in bad:
+            raise self._error(piece, bad[_ident(piece)])
+        return _member(data, piece)
+
     async def _read_array(
         self, piece: PieceRecord, array: ts.TensorStore, local: tuple, dest: np.ndarray, whole: bool
     ) -> None:
-        rows = None
+        layout = None
         if whole and dest.flags.c_contiguous:
-            rows = _direct.raw_chunk_rows(array.spec().to_json().get("metadata", {}))
-        if rows is None:
+            layout = _direct.raw_chunk_layout(array.spec().to_json().get("metadata", {}))
+        if layout is None:
             await ts.array(dest, copy=False, write=True).write(array[local])
             return
         # Raw chunk files of a whole piece: read straight into their rows of ``dest``.
         loop = asyncio.get_running_loop()
         path = self._m.piece_path(piece, self._dir)
-        await gather_all(
-            loop.run_in_executor(self._io_pool, job) for job in _direct.read_jobs(path, dest, rows)
-        )
+        jobs = _direct.read_jobs(path, dest, layout)
+        await gather_all(loop.run_in_executor(self._io_pool, job) for job in jobs)
 
     def reserve(self, piece: PieceRecord) -> None:
         """Announces one future :meth:`read_into` call on ``piece``'s file.

@@ -8,14 +8,13 @@ pieces; the chunk files of uncompressed pieces are written by ``_direct``.
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _direct, _manifest
+from cocijax.storage import _direct
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[int]:
@@ -51,8 +50,13 @@ def write_spec(
             "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, chunk_bytes)},
         },
     }
-    # Pinned rather than left to defaults: _direct writes uncompressed chunk files itself.
-    metadata["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+    # Pinned rather than left to defaults: _direct writes uncompressed chunk files itself. The
+    # "." separator keeps every chunk file in the piece's directory ("c.3.0"), where "/" makes
+    # a directory per chunk row ("c/3/0"), each one more file to create and fsync.
+    metadata["chunk_key_encoding"] = {
+        "name": "default",
+        "configuration": {"separator": _direct.SEPARATOR},
+    }
     metadata["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compression == "zstd":
         metadata["codecs"].append({"name": "zstd", "configuration": {"level": compression_level}})
@@ -69,14 +73,3 @@ def write_spec(
 async def write_piece(spec: dict[str, Any], data: np.ndarray, context: ts.Context) -> None:
     array = await ts.open(spec, context=context)
     await array.write(data, can_reference_source_data_indefinitely=True)
-
-
-def fsync_tree(top: pathlib.Path) -> None:
-    """fsyncs ``top``, every directory below it, and ``top``'s parent (which gained an entry).
-
-    TensorStore already fsynced every file and the directory holding it; the directories it
-    created (``c/``, ``c/0/``) and the stripe directory itself are made durable here.
-    """
-    for dirpath, _, _ in os.walk(top):
-        _manifest.fsync_dir(dirpath)
-    _manifest.fsync_dir(top.parent)

@@ -33,7 +33,8 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
         assert len(futures) == 1
         # The commit is parked on the signal; direct chunk writes may already run.
         early = [f.relative_to(r).parts for r in roots for f in r.rglob("*") if f.is_file()]
-        assert all(parts[2] == "c" for parts in early), early  # <stripe>/<piece>/c/<chunk key>
+        # <stripe>/<piece>/c.<chunk key>
+        assert all(parts[2].startswith("c.") for parts in early), early
         assert not item.exists()
         source[:] = -1  # The caller may reuse its buffers as soon as async_save returns.
         item.mkdir()

@@ -120,21 +120,23 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
     np.testing.assert_array_equal(got["w"], state["w"])
 
 
-def test_raw_chunk_rows_accepts_only_plain_bytes_with_default_keys(tmp_path):
+def test_raw_chunk_layout_accepts_only_plain_bytes_with_default_keys(tmp_path):
     plain = _write.write_spec(
         tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
         compression_level=3,
     )["metadata"]  # fmt: skip
-    assert _direct.raw_chunk_rows(plain) == 35
+    assert _direct.raw_chunk_layout(plain) == (35, ".")
+    slash = {"name": "default", "configuration": {"separator": "/"}}
+    slashes = dict(plain, chunk_key_encoding=slash)
+    assert _direct.raw_chunk_layout(slashes) == (35, "/")  # what earlier versions wrote
     zstd = dict(plain, codecs=[*plain["codecs"], {"name": "zstd", "configuration": {"level": 3}}])
-    dots = dict(plain, chunk_key_encoding={"name": "default", "configuration": {"separator": "."}})
     v2_keys = dict(plain, chunk_key_encoding={"name": "v2"})
     split_cols = dict(
         plain, chunk_grid={"name": "regular", "configuration": {"chunk_shape": [35, 3]}}
     )
     big_endian = dict(plain, codecs=[{"name": "bytes", "configuration": {"endian": "big"}}])
-    for other in (zstd, dots, v2_keys, split_cols, big_endian):
-        assert _direct.raw_chunk_rows(other) is None
+    for other in (zstd, v2_keys, split_cols, big_endian):
+        assert _direct.raw_chunk_layout(other) is None
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
