@@ -3,11 +3,11 @@
 Only the device-to-host snapshot blocks ``save``: ``async_save`` copies every replica-0 shard
 to page-aligned host memory exactly once and returns an Orbax commit future that, once Orbax has
 created the item directory, writes the pieces (all roots in parallel), fsyncs them and their
-directories, and then writes this process's manifest part. TensorStore creates every zarr array
-and writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
-``_direct``. ``finalize`` (primary process, after every process committed) merges the parts into
-the manifest. By itself the handler is not atomic: Orbax's temporary-directory rename makes the
-item appear, and the manifest marks it complete.
+directories, and then writes the manifest (with several processes, this process's part of it).
+TensorStore creates every zarr array and writes compressed pieces; uncompressed chunk files are
+written with ``O_DIRECT`` by ``_direct``. ``finalize`` (primary process, after every process
+committed) merges the parts into the manifest. By itself the handler is not atomic: Orbax's
+temporary-directory rename makes the item appear, and the manifest marks it complete.
 
 Each save writes under a fresh ``cocijax-stripe-<uuid4>`` directory on every root, so saves (and
 processes) never share or overwrite a file. Design after FastPersist (Wang et al., 2024,
@@ -197,8 +197,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             itself (``save(directory, tree)`` or ``save(directory, item=tree)``), is accepted.
 
         Returns:
-          One commit future; it writes the pieces, fsyncs them and writes this process's
-          manifest part.
+          One commit future; it writes the pieces, fsyncs them and writes the manifest (this
+          process's part of it, with several processes).
 
         Raises:
           UnsupportedLeafError: a leaf type or dtype is unsupported (names the key path; a
@@ -318,9 +318,15 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             pieces=tuple(records),
             custom_metadata=snapshot.custom_metadata,
         )
-        # The part is the last thing written: it only names pieces that are already durable.
-        # It need not be durable itself: ``finalize`` reads it and writes the manifest durably
-        # before Orbax commits the item, and an item a crash cut before that is not committed.
+        # The manifest (or part) is the last thing written: it only names durable pieces.
+        if jax.process_count() == 1:
+            # This process's part is the whole manifest: written as such, durably, it leaves
+            # ``finalize`` nothing to merge (no part written, read back and parsed again).
+            await loop.run_in_executor(self._pool, _manifest.write_manifest, directory, part)
+            return
+        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
+        # durably before Orbax commits the item, and an item a crash cut before that is not
+        # committed.
         _manifest.replace_json(
             _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
         )
@@ -342,7 +348,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
 
-        Orbax calls this once, after all processes' commit futures completed.
+        Orbax calls this once, after all processes' commit futures completed. A single process
+        wrote the whole manifest in its commit: nothing is left to merge.
 
         Raises:
           CheckpointFormatError: the parts disagree or do not cover every leaf.

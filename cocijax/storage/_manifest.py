@@ -301,8 +301,9 @@ def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
     directory is fsynced. A file that a later durable write supersedes needs neither.
     """
     tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(data, separators=(",", ":"))  # one write: json.dump writes piecemeal
     with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
+        f.write(text)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
@@ -398,12 +399,23 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         pieces=tuple(pieces),
         custom_metadata=first.custom_metadata,
     )
-    _check_coverage(merged, item_dir)
-    replace_json(item_dir / MANIFEST_NAME, merged.to_json(), fsync=True)
-    for p in part_files:
+    write_manifest(item_dir, merged, remove=part_files)
+    return merged
+
+
+def write_manifest(
+    item_dir: pathlib.Path, manifest: Manifest, *, remove: Sequence[pathlib.Path] = ()
+) -> None:
+    """Writes the manifest of ``item_dir`` durably, removing ``remove`` (merged parts) with it.
+
+    Raises:
+      CheckpointFormatError: some leaf is not fully covered by the pieces.
+    """
+    _check_coverage(manifest, item_dir)
+    replace_json(item_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
+    for p in remove:
         p.unlink()
     fsync_dir(item_dir)  # once, for the manifest's rename and the parts' removal
-    return merged
 
 
 def _check_coverage(manifest: Manifest, item_dir: pathlib.Path) -> None:
