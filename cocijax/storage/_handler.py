@@ -4,10 +4,11 @@ Only the device-to-host snapshot blocks ``save``: ``async_save`` copies every re
 to page-aligned host memory exactly once and returns an Orbax commit future that, once Orbax has
 created the item directory, writes the pieces (all roots in parallel), fsyncs them and their
 directories, and then writes the manifest (with several processes, this process's part of it).
-TensorStore creates every zarr array and writes compressed pieces; uncompressed chunk files are
-written with ``O_DIRECT`` by ``_direct``. ``finalize`` (primary process, after every process
-committed) merges the parts into the manifest. By itself the handler is not atomic: Orbax's
-temporary-directory rename makes the item appear, and the manifest marks it complete.
+TensorStore writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
+``_direct``, beside the ``zarr.json`` TensorStore made for them. ``finalize`` (primary process,
+after every process committed) merges the parts into the manifest. By itself the handler is not
+atomic: Orbax's temporary-directory rename makes the item appear, and the manifest marks it
+complete.
 
 Each save writes under a fresh ``cocijax-stripe-<uuid4>`` directory on every root, so saves (and
 processes) never share or overwrite a file. Design after FastPersist (Wang et al., 2024,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -30,7 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
@@ -94,8 +95,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           checksums: record xxh3_64 checksums at save and verify them at restore.
           direct_writes: write the chunk files of uncompressed pieces directly, with
             ``O_DIRECT`` where the file system allows it, instead of through TensorStore's
-            buffered writes (TensorStore still writes each piece's metadata; the files are the
-            same).
+            buffered writes (the files are the same).
           reuse_host_buffers: keep the host copy's buffers after a save (until :meth:`close`)
             and copy the next save of the same shapes into them: memory already faulted in
             copies several times faster than fresh memory. The handler then holds one host
@@ -247,11 +247,24 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             return None
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
+        array_dir = stripe_dir / piece.name
         rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
-        jobs = _direct.chunk_jobs(
-            stripe_dir / piece.name, data, rows, direct=self._direct_ok[piece.root]
-        )
+        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=self._direct_ok[piece.root])
+        # The array's zarr.json: TensorStore's own bytes, made once per metadata in memory.
+        meta = memoryview(_write.metadata_file(self._spec(array_dir, piece)))
+        path = array_dir / _write.ZARR_JSON
+        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False))
         return [self._io_pool.submit(job) for job in jobs]
+
+    def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
+        return _write.write_spec(
+            array_dir,
+            piece.dtype,
+            piece.shape,
+            chunk_bytes=self._chunk_bytes,
+            compression=self._compression,
+            compression_level=self._compression_level,
+        )
 
     async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
         loop = asyncio.get_running_loop()
@@ -265,21 +278,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         for piece in snapshot.pieces:
             data = snapshot.data(piece)
             piece_dir = stripe_dirs[piece.root] / piece.name
-            spec = _write.write_spec(
-                piece_dir,
-                piece.dtype,
-                piece.shape,
-                chunk_bytes=self._chunk_bytes,
-                compression=self._compression,
-                compression_level=self._compression_level,
-            )
             started = snapshot.early.get(piece.name)
             if started is None:
                 started = self._start_raw(stripe_dirs[piece.root], piece, data)
             if started is None:
-                write = _write.write_piece(spec, data, self._context)
+                write = _write.write_piece(self._spec(piece_dir, piece), data, self._context)
             else:
-                write = self._finish_raw(spec, started)
+                write = _io.gather_all(asyncio.wrap_future(f) for f in started)
             writes.append(self._durable(write, piece_dir))
             if self._checksums:
                 # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
@@ -337,13 +342,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         await asyncio.get_running_loop().run_in_executor(
             self._io_pool, _manifest.fsync_dir, piece_dir
         )
-
-    async def _finish_raw(self, spec: dict[str, Any], started: list[concurrent.futures.Future]):
-        """TensorStore creates the zarr array (its metadata); its chunk files were started."""
-        try:
-            await ts.open(spec, context=self._context)
-        finally:
-            await _io.gather_all(asyncio.wrap_future(f) for f in started)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).

@@ -77,15 +77,21 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
     monkeypatch.setattr(
         _direct,
         "write_file",
-        lambda path, data, **kw: (calls.append(kw["direct"]), write_file(path, data, **kw)),
+        lambda path, data, **kw: (
+            calls.append((path.name, kw["direct"])),
+            write_file(path, data, **kw),
+        ),
     )
     state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
     handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20)
     with ocp.AsyncCheckpointer(handler) as ckptr:
         ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
         ckptr.wait_until_finished()
-    assert len(calls) >= 4
-    assert all(calls) == _direct.supports_direct(roots[0])
+    chunks = [direct for name, direct in calls if name.startswith("c.")]
+    assert len(chunks) >= 4
+    assert all(chunks) == _direct.supports_direct(roots[0])
+    # Each piece's zarr.json is written beside its chunk files, through the page cache.
+    assert [direct for name, direct in calls if name == "zarr.json"] == [False, False]
     assert cj.storage.verify(tmp_path / "ckpt") == []
 
 
