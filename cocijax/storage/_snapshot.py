@@ -93,7 +93,15 @@ def describe(item: Any, write_numpy: bool) -> tuple[list[LeafRecord], list[_layo
         dtype = np.dtype(leaf.dtype)
         shape = tuple(int(d) for d in leaf.shape)
         leaves.append(
-            LeafRecord(name, keys, kind, dtype.name, shape, sharding=sharding, key_impl=key_impl)
+            LeafRecord(
+                name,
+                keys,
+                kind,
+                _tree.dtype_name(dtype),
+                shape,
+                sharding=sharding,
+                key_impl=key_impl,
+            )
         )
         whole = (0,) * len(shape), shape
         if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) == 1:
