@@ -62,9 +62,9 @@ def supports_direct(directory: pathlib.Path) -> bool:
 
 
 def chunk_jobs(
-    array_dir: pathlib.Path, data: np.ndarray, chunk_rows: int, *, direct: bool
-) -> list[Callable[[], None]]:
-    """One job per chunk file of the zarr array at ``array_dir``: writes and fsyncs it.
+    array_dir: pathlib.Path, data: np.ndarray, chunk_rows: int, *, direct: bool, sync: bool = True
+) -> list[Callable[[], pathlib.Path]]:
+    """One job per chunk file of the zarr array at ``array_dir``: writes it (:func:`write_file`).
 
     Chunks cut axis 0 into ``chunk_rows`` rows (whole trailing dimensions, as
     ``_write.chunk_shape`` plans them); the last chunk is zero-extended (zero is the fill value) to
@@ -73,7 +73,7 @@ def chunk_jobs(
     """
     array_dir.mkdir(parents=True, exist_ok=True)
     return [
-        lambda p=path, c=chunk: _write_chunk(p, c, chunk_rows, direct)
+        lambda p=path, c=chunk: _write_chunk(p, c, chunk_rows, direct, sync)
         for path, chunk in _chunk_files(array_dir, data, chunk_rows, SEPARATOR)
     ]
 
@@ -89,19 +89,28 @@ def _chunk_files(
     ]
 
 
-def _write_chunk(path: pathlib.Path, chunk: np.ndarray, chunk_rows: int, direct: bool) -> None:
+def _write_chunk(
+    path: pathlib.Path, chunk: np.ndarray, chunk_rows: int, direct: bool, sync: bool
+) -> pathlib.Path:
     # An edge chunk is stored full size: the missing rows read as zeros (the fill value).
     size = chunk.nbytes // chunk.shape[0] * chunk_rows
-    write_file(path, memoryview(chunk.reshape(-1).view(np.uint8)), direct=direct, size=size)
+    data = memoryview(chunk.reshape(-1).view(np.uint8))
+    return write_file(path, data, direct=direct, size=size, sync=sync)
 
 
 def write_file(
-    path: pathlib.Path, data: memoryview, *, direct: bool, size: int | None = None
-) -> None:
-    """Creates ``path`` holding ``data``, zero-extended to ``size`` bytes, and fsyncs it.
+    path: pathlib.Path,
+    data: memoryview,
+    *,
+    direct: bool,
+    size: int | None = None,
+    sync: bool = True,
+) -> pathlib.Path:
+    """Creates ``path`` holding ``data``, zero-extended to ``size`` bytes; returns ``path``.
 
     With ``direct``, the block-aligned head goes through ``O_DIRECT`` when ``data`` starts on a
-    block boundary; the rest is written through the page cache.
+    block boundary; the rest is written through the page cache. ``sync`` fsyncs the file;
+    without it the caller does (:func:`fsync_file`).
     """
     aligned = direct and np.frombuffer(data, np.uint8).ctypes.data % BLOCK == 0
     head = len(data) // BLOCK * BLOCK if aligned else 0
@@ -115,8 +124,21 @@ def write_file(
             _write_all(fd, data[head:])
         if size is not None and size > len(data):
             os.ftruncate(fd, size)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except OSError as e:  # write(2) and fsync(2) errors do not name the file: a full disk must.
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    finally:
+        os.close(fd)
+    return path
+
+
+def fsync_file(path: pathlib.Path) -> None:
+    """fsyncs the file at ``path`` (written earlier with ``sync=False``); errors name it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)

@@ -249,11 +249,15 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
         array_dir = stripe_dir / piece.name
         rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
-        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=self._direct_ok[piece.root])
+        # Not fsynced one by one: the commit fsyncs every file at once once all are written,
+        # which the file system commits together (each file's own fsync, while others were
+        # still being written, cost a journal commit of its own).
+        direct = self._direct_ok[piece.root]
+        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=direct, sync=False)
         # The array's zarr.json: TensorStore's own bytes, made once per metadata in memory.
         meta = memoryview(_write.metadata_file(self._spec(array_dir, piece)))
         path = array_dir / _write.ZARR_JSON
-        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False))
+        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False, sync=False))
         return [self._io_pool.submit(job) for job in jobs]
 
     def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
@@ -285,20 +289,27 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 write = _write.write_piece(self._spec(piece_dir, piece), data, self._context)
             else:
                 write = _io.gather_all(asyncio.wrap_future(f) for f in started)
-            writes.append(self._durable(write, piece_dir))
+            writes.append(write)
             if self._checksums:
                 # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
                 members = snapshot.member_views(piece)
                 sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
-        await _io.gather_all(writes)
+        # Per piece, the files still to fsync (TensorStore fsynced those it wrote itself).
+        written = await _io.gather_all(writes)
         checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
         if self._reuse_host_buffers:
             self._buffers.give_back(snapshot.owned)  # every write and checksum is done
-        # Each piece directory was fsynced once its files were; now the stripe directories and
-        # the roots holding them (the new entries), all at once.
-        tops = {*stripe_dirs.values(), *(d.parent for d in stripe_dirs.values())}
+        # Every file at once, then every directory that gained entries: piece directories,
+        # stripe directories and the roots holding them.
+        files = [path for paths in written if paths for path in paths]
         await _io.gather_all(
-            loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in tops
+            loop.run_in_executor(self._io_pool, _direct.fsync_file, f) for f in files
+        )
+        stripes = stripe_dirs.values()
+        dirs = {*(stripe_dirs[p.root] / p.name for p in snapshot.pieces), *stripes}
+        dirs |= {d.parent for d in stripes}
+        await _io.gather_all(
+            loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs
         )
         records = []
         for piece in snapshot.pieces:
@@ -334,13 +345,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         # committed.
         _manifest.replace_json(
             _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
-        )
-
-    async def _durable(self, write: Any, piece_dir: pathlib.Path) -> None:
-        """Awaits a piece's ``write``, then fsyncs its directory (the new chunk file names)."""
-        await write
-        await asyncio.get_running_loop().run_in_executor(
-            self._io_pool, _manifest.fsync_dir, piece_dir
         )
 
     def finalize(self, directory: epath.Path) -> None:

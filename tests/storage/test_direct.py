@@ -78,8 +78,7 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
         _direct,
         "write_file",
         lambda path, data, **kw: (
-            calls.append((path.name, kw["direct"])),
-            write_file(path, data, **kw),
+            calls.append((path.name, kw["direct"])) or write_file(path, data, **kw)
         ),
     )
     state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
