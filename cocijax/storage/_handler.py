@@ -227,17 +227,18 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def _snapshot(self, item: Any) -> _snapshot.Snapshot:
         self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
-        return _snapshot.take(
-            item,
-            self._roots,
-            piece_bytes=self._piece_bytes,
-            small_bytes=self._small_bytes,
-            chunk_bytes=self._chunk_bytes,
-            write_numpy=jax.process_index() == (self._primary_host or 0),
-            pool=self._pool,
-            start_raw=self._start_raw,
-            buffers=self._buffers,
-        )
+        with _io.pause_gc():
+            return _snapshot.take(
+                item,
+                self._roots,
+                piece_bytes=self._piece_bytes,
+                small_bytes=self._small_bytes,
+                chunk_bytes=self._chunk_bytes,
+                write_numpy=jax.process_index() == (self._primary_host or 0),
+                pool=self._pool,
+                start_raw=self._start_raw,
+                buffers=self._buffers,
+            )
 
     def _start_raw(
         self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
@@ -387,16 +388,17 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             the leaf and the file).
         """
         args = _restore_args(args, item)
-        return _restore.restore_tree(
-            pathlib.Path(directory),
-            args.item,
-            self._context,
-            self._pool,
-            verify=self._checksums,
-            io_pool=self._io_pool,
-            roots=args.roots,
-            partial=args.partial,
-        )
+        with _io.pause_gc():
+            return _restore.restore_tree(
+                pathlib.Path(directory),
+                args.item,
+                self._context,
+                self._pool,
+                verify=self._checksums,
+                io_pool=self._io_pool,
+                roots=args.roots,
+                partial=args.partial,
+            )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
         """The saved tree as Orbax's tree metadata, read from the manifest without data.

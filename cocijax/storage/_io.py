@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import gc
 import math
 import mmap
 import os
@@ -133,6 +135,43 @@ class HostBuffers:
         """Bytes kept for the next save."""
         with self._lock:
             return sum(b.nbytes for bs in self._free.values() for b in bs)
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # how many pause_gc blocks are open, in any thread
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def pause_gc():
+    """Keeps Python's cyclic garbage collector from running inside the block (any thread).
+
+    A snapshot or a restore of a tree with many leaves allocates enough objects to trigger
+    ~100 collections, each walking every object of the process: restoring 1024 leaves spent
+    0.2-0.26 s in them (measured with ``gc.callbacks``). Reference counting still frees what
+    it can; the collector's previous state comes back when the last open block ends.
+
+    Example:
+      >>> import gc
+      >>> with pause_gc():
+      ...     gc.isenabled()
+      False
+      >>> gc.isenabled()
+      True
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def aligned_copy(array: np.ndarray) -> np.ndarray:
