@@ -2,7 +2,7 @@
 
 Every leaf is planned before any I/O (so a bad target fails fast and each file's number of uses
 is known), then all regions of all leaves are read in one concurrent batch across the roots,
-each placed on its devices as soon as it is read.
+and all device buffers are placed with one batched ``jax.device_put``.
 """
 
 from __future__ import annotations
@@ -78,26 +78,38 @@ def restore_tree(
         _plan_leaf(reader, rec, t, by_leaf[i], directory, places)
         for i, (rec, t) in enumerate(zip(manifest.leaves, targets, strict=True))
     ]
-    # Every region of every leaf is read in one concurrent batch; each region is placed on its
-    # devices as soon as it is read (placing costs ~0.1 ms of this thread per array: done at
-    # the end, it added that much per leaf after the last byte arrived), and each leaf is built
-    # once its regions are placed.
+    # One flat batch of region reads over all leaves (few asyncio tasks per leaf), then
+    # one batched device_put for every device buffer of every leaf.
+    batch = [
+        (i, j, req, _tree.to_dtype(rec.dtype))
+        for i, (rec, plan) in enumerate(zip(manifest.leaves, plans, strict=True))
+        for j, req in enumerate(plan.requests)
+    ]
 
-    async def leaf(plan: _LeafPlan, dtype: np.dtype | None) -> Any:
-        regions = await _io.gather_all(
-            _region(reader, plan, dtype, j) for j in range(len(plan.requests))
-        )
-        if plan.devices is not None:  # per request, its arrays: one list in devices order
-            regions = [array for arrays in regions for array in arrays]
-        return plan.finish(regions)
+    async def run() -> list[np.ndarray]:
+        return await _io.gather_all(_assemble(reader, dt, req) for _, _, req, dt in batch)
 
-    async def run() -> list[Any]:
-        return await _io.gather_all(
-            leaf(plan, _tree.to_dtype(rec.dtype) if plan.requests else None)
-            for rec, plan in zip(manifest.leaves, plans, strict=True)
-        )
-
-    values = _io.run_sync(run())
+    datas = _io.run_sync(run()) if batch else []
+    host: list[list[Any]] = [[None] * len(plan.requests) for plan in plans]
+    to_put, devices, owners = [], [], []
+    for (i, j, _, _), data in zip(batch, datas, strict=True):
+        if plans[i].devices is None:
+            host[i][j] = data
+        else:
+            for k, device in enumerate(plans[i].devices[j]):
+                # On CPU, device_put adopts the aligned buffer: each device gets its own.
+                to_put.append(data if k == 0 else _io.aligned_copy(data))
+                devices.append(device)
+                owners.append(i)
+    placed: list[list[Any]] = [[] for _ in plans]
+    # Placed here, in the caller's thread, not as each region arrives: JAX's configuration
+    # (jax_enable_x64 above all) is thread-local, and the reads' event loop may run in a
+    # thread of its own (``run_sync``), where a 64-bit leaf would silently narrow.
+    for i, array in zip(owners, jax.device_put(to_put, devices), strict=True):
+        placed[i].append(array)
+    values = [
+        plan.finish(host[i] if plan.devices is None else placed[i]) for i, plan in enumerate(plans)
+    ]
     if treedef is None:
         return _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
     return jax.tree_util.tree_unflatten(
@@ -270,17 +282,6 @@ def _request(
             parts.append((p, lo, hi))
             reader.reserve(p)
     return start, stop, parts
-
-
-async def _region(reader: _read.PieceReader, plan: _LeafPlan, dtype: np.dtype, index: int) -> Any:
-    """Request ``index`` of ``plan``: its host array, or its arrays on the plan's devices."""
-    data = await _assemble(reader, dtype, plan.requests[index])
-    if plan.devices is None:
-        return data
-    devices = plan.devices[index]
-    # On CPU, device_put adopts the aligned buffer: each device gets its own.
-    copies = [data] + [_io.aligned_copy(data) for _ in devices[1:]]
-    return jax.device_put(copies, devices)
 
 
 async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
