@@ -1,7 +1,7 @@
 """The read path: pieces read back into place, their checksums verified, ``verify``.
 
-TensorStore opens every array and reads compressed pieces and parts of pieces; whole
-uncompressed pieces are read from their chunk files by ``_direct``.
+TensorStore reads compressed pieces and parts of pieces; whole uncompressed pieces (and packs)
+are read from their chunk files by ``_direct``, their layout taken from their ``zarr.json``.
 """
 
 from __future__ import annotations
