@@ -345,7 +345,11 @@ def _machine(dirs: dict[str, str], when: float | None = None) -> list[str]:
 
     stamp = datetime.datetime.fromtimestamp(when or time.time(), datetime.UTC)
 
-    lines = [f"- Date: {stamp:%Y-%m-%d %H:%M} UTC", f"- CPU: {cpu_and_ram()}"]
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [
+        f"- Date: {stamp:%Y-%m-%d %H:%M} UTC",
+        f"- CPU: {cpu_and_ram()}; load average at the end of the run (1/5/15 min): {load}",
+    ]
     for label, d in dirs.items():
         lines.append(f"- {label} ({d}): {_filesystem(d)}")
     libs = ["jax", "orbax-checkpoint", "tensorstore", "numpy"]
