@@ -40,5 +40,10 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/write_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/restore_floor.py $(BENCH_ARGS)
 
+# The live chaos benchmark (an hour or more; `make chaos CHAOS_ARGS=--quick`: a few minutes). Not
+# part of `bench`: it needs the machine to itself for that long.
+chaos: $(VENV)/.test
+	$(BIN)/python benchmarks/chaos_bench.py $(CHAOS_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -23,6 +23,20 @@ def cpu_and_ram() -> str:
     return f"{cpu}, {os.cpu_count()} cores; RAM {ram}"
 
 
+def filesystem(path: str) -> str:
+    """``fstype on device (mounted at ...)`` for the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = ("", "?", "?")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) > len(best[0]):
+                best = (mnt, dev, fstype)
+    mnt, dev, fstype = best
+    return f"{fstype} on {dev} (mounted at {mnt})"
+
+
 def write_section(section: str, text: str) -> None:
     """Replaces the lines between ``<!-- BEGIN section -->`` and ``<!-- END section -->``.
 

@@ -328,7 +328,7 @@ def main() -> None:
     groups = {
         "shared curves, A+B (the issue's targets)": (("shared",), ("A", "B")),
         "own curves, tune split, A+B": (("tune",), ("A", "B")),
-        "own curves, holdout split, A+B (never tuned on)": (("holdout",), ("A", "B")),
+        "own curves, holdout split, A+B (not in estimator tuning)": (("holdout",), ("A", "B")),
         "all curves, C (Weibull; heuristic bound)": (("shared", "tune", "holdout"), ("C",)),
     }
     summaries = {k: summarise(rows, *v) for k, v in groups.items()}

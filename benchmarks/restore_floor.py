@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import cpu_and_ram, write_section
-from write_bench import _evict, _filesystem, _tree
+from _report import cpu_and_ram, filesystem, write_section
+from write_bench import _evict, _tree
 
 SECTION = "restore_floor"
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     "interleaved, page cache evicted before every run). See the module "
                     "docstring for the three methods.",
                     "",
-                    f"Machine: {cpu_and_ram()}; {_filesystem(str(args.dir))}; "
+                    f"Machine: {cpu_and_ram()}; {filesystem(str(args.dir))}; "
                     f"{stamp:%Y-%m-%d %H:%M} UTC; Python {sys.version.split()[0]}.",
                     "",
                     *lines,

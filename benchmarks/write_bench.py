@@ -51,7 +51,7 @@ import threading
 import time
 from pathlib import Path
 
-from _report import BENCH_MD, cpu_and_ram, write_section
+from _report import BENCH_MD, cpu_and_ram, filesystem, write_section
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -351,27 +351,13 @@ def _machine(dirs: dict[str, str], when: float | None = None) -> list[str]:
         f"- CPU: {cpu_and_ram()}; load average at the end of the run (1/5/15 min): {load}",
     ]
     for label, d in dirs.items():
-        lines.append(f"- {label} ({d}): {_filesystem(d)}")
+        lines.append(f"- {label} ({d}): {filesystem(d)}")
     libs = ["jax", "orbax-checkpoint", "tensorstore", "numpy"]
     lines.append(
         f"- Python {platform.python_version()}, "
         + ", ".join(f"{name} {version(name)}" for name in libs)
     )
     return lines
-
-
-def _filesystem(path: str) -> str:
-    """``fstype on device (mounted at ...)`` for the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best = ("", "?", "?")
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, fstype = line.split()[:3]
-            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-            if inside and len(mnt) > len(best[0]):
-                best = (mnt, dev, fstype)
-    mnt, dev, fstype = best
-    return f"{fstype} on {dev} (mounted at {mnt})"
 
 
 def _limits(limit: dict) -> dict[str, float]:
@@ -381,8 +367,6 @@ def _limits(limit: dict) -> dict[str, float]:
     reads_pre = {t: limit[f"read_prefaulted_{t}_s"] for t in THREADS}
     return {
         "write_s": min(writes.values()),
-        "write_threads": min(writes, key=writes.get),
-        "read_fresh_s": min(reads.values()),
         "read_s": min(min(reads.values()), min(reads_pre.values())),
     }
 

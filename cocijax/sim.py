@@ -16,7 +16,7 @@ Overhead is reported in two currencies:
   recomputes (see :func:`progress_weights`). With ``weights=None`` every ``w`` is 1 and both
   currencies agree.
 
-Two ways to score a schedule, and the best schedule:
+Ways to score a schedule, and the best schedule:
 
 * :func:`simulate` (Monte Carlo, any Weibull shape) walks the schedule segment by segment (a
   segment is the work between two saves plus the stall that ends it), vectorised over trials;
@@ -24,6 +24,8 @@ Two ways to score a schedule, and the best schedule:
   lost more than ``max_overhead_factor`` times the job's failure-free time is abandoned as not
   finishing: a schedule that rarely saves under a high failure rate needs ``exp(job / MTBF)``
   restarts, which no simulation (and no job) should wait for.
+* :func:`replay` runs the model of :func:`simulate` once, with failures at given times (a
+  recorded run's), to predict what that run should have lost.
 * :func:`expected_overhead` gives the exact expectation under Poisson failures, segment by
   segment (the formula is in :mod:`cocijax.policies._horizon`, which plans with it).
 * :func:`optimal_schedule` is the schedule minimising the expected weighted overhead under
@@ -46,6 +48,7 @@ __all__ = [
     "expected_overhead_periodic",
     "optimal_schedule",
     "progress_weights",
+    "replay",
     "simulate",
 ]
 
@@ -194,9 +197,6 @@ def simulate(
     n_steps, trials = int(n_steps), int(trials)
     steps = _save_steps(save_steps, n_steps)
     w = _weights(weights, n_steps)
-    # Cumulative weighted work at step boundaries; lost weighted work is a difference of it,
-    # linearly interpolated inside a step.
-    cw = np.concatenate([[0.0], np.cumsum(w)]) * step_time_s
     rng = np.random.default_rng(seed)
     scale = mtbf_s / math.gamma(1.0 + 1.0 / weibull_shape)
 
@@ -204,6 +204,92 @@ def simulate(
         return scale * rng.weibull(weibull_shape, size=k)
 
     t = _Trials(trials, draw(trials), max_overhead_factor * n_steps * step_time_s)
+    _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw)
+    return t.result(steps.size)
+
+
+def replay(
+    save_steps,
+    failure_times_s,
+    *,
+    n_steps: int,
+    step_time_s: float,
+    checkpoint_cost_s: float,
+    recovery_s: float,
+    weights=None,
+) -> SimResult:
+    """The overhead of one job whose failures came at given times: a recorded run, replayed.
+
+    The cost model of :func:`simulate`, with one trial whose failures are not drawn but given,
+    e.g. the failures a real run suffered, to predict what that run should have lost. As there,
+    a save is safe once its stall ends: an asynchronous save that had not committed when a
+    failure came (the job resumes from the save before it) is not modelled, nor are step,
+    stall and recovery times that vary within the run.
+
+    Args:
+      save_steps: 1-based steps after which the job saves (as in :func:`simulate`).
+      failure_times_s: wall-clock seconds from the start of the job's first step to each
+        failure, non-decreasing. Failures after the job has ended are left out.
+      n_steps: number of training steps in the job.
+      step_time_s: seconds per step.
+      checkpoint_cost_s: stall seconds per save.
+      recovery_s: seconds to recover after each failure (a failure during a recovery
+        restarts it).
+      weights: per-step value weights (length ``n_steps``); ``None`` means all 1.
+
+    Returns:
+      A :class:`SimResult` of the one job (standard errors 0, ``finished`` 1, ``failures``
+      the number that struck before the end).
+
+    Raises:
+      ValueError: naming the offending argument if it is out of range, or
+        ``failure_times_s`` if it is not a non-decreasing list of finite, non-negative times.
+
+    Example:
+      >>> r = replay([50, 100], [70.0], n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0,
+      ...            recovery_s=5.0)
+      >>> r.failures, r.recompute_s, r.recovery_s, r.stall_s  # 19 s after the save at step 50
+      (1.0, 19.0, 5.0, 2.0)
+    """
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s=1.0)  # none needed
+    times = np.asarray(failure_times_s, dtype=np.float64)
+    if (
+        times.ndim != 1
+        or not np.all(np.isfinite(times) & (times >= 0))
+        or np.any(np.diff(times) < 0)
+    ):
+        raise ValueError(
+            "failure_times_s must be a 1-D sequence of finite, non-negative, non-decreasing "
+            f"seconds, got {failure_times_s!r}."
+        )
+    n_steps = int(n_steps)
+    steps = _save_steps(save_steps, n_steps)
+    gaps = iter(np.diff(times, prepend=0.0))
+
+    def draw(k: int) -> np.ndarray:
+        # The time from one failure to the next, as a renewal process draws it; none after
+        # the last given failure.
+        return np.array([next(gaps, math.inf) for _ in range(k)])
+
+    t = _Trials(1, draw(1), math.inf)
+    _walk(
+        t,
+        steps,
+        n_steps,
+        step_time_s,
+        checkpoint_cost_s,
+        recovery_s,
+        _weights(weights, n_steps),
+        draw,
+    )
+    return t.result(steps.size)
+
+
+def _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw) -> None:
+    """Runs the trials ``t`` through the schedule; ``draw(k)`` gives the next ``k`` gaps."""
+    # Cumulative weighted work at step boundaries; lost weighted work is a difference of it,
+    # linearly interpolated inside a step.
+    cw = np.concatenate([[0.0], np.cumsum(w)]) * step_time_s
     for s0, s1, c in _segments(steps, n_steps, checkpoint_cost_s):
         work = (s1 - s0) * step_time_s
         dur = work + c
@@ -225,21 +311,6 @@ def simulate(
             t.fails[hit] += 1
             t.recover(hit, recovery_s, draw)
             active = hit[t.alive[hit]]
-    wall = t.stall + t.lost + t.recov
-    weighted = t.stall + t.lost_w + t.recov
-    se = lambda a: float(a.std(ddof=1) / math.sqrt(trials)) if trials > 1 else 0.0
-    return SimResult(
-        wall_overhead_s=float(wall.mean()),
-        weighted_overhead_s=float(weighted.mean()),
-        wall_overhead_se=se(wall),
-        weighted_overhead_se=se(weighted),
-        failures=float(t.fails.mean()),
-        stall_s=float(t.stall.mean()),
-        recompute_s=float(t.lost.mean()),
-        recovery_s=float(t.recov.mean()),
-        n_saves=int(steps.size),
-        finished=float(t.alive.mean()),
-    )
 
 
 class _Trials:
@@ -270,6 +341,25 @@ class _Trials:
         self.t_next[hit] = nxt - recovery_s
         over = self.stall[hit] + self.lost[hit] + self.recov[hit] >= self.cap_s
         self.alive[hit[over]] = False
+
+    def result(self, n_saves: int) -> SimResult:
+        """The means over trials."""
+        wall = self.stall + self.lost + self.recov
+        weighted = self.stall + self.lost_w + self.recov
+        n = wall.size
+        se = lambda a: float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        return SimResult(
+            wall_overhead_s=float(wall.mean()),
+            weighted_overhead_s=float(weighted.mean()),
+            wall_overhead_se=se(wall),
+            weighted_overhead_se=se(weighted),
+            failures=float(self.fails.mean()),
+            stall_s=float(self.stall.mean()),
+            recompute_s=float(self.lost.mean()),
+            recovery_s=float(self.recov.mean()),
+            n_saves=int(n_saves),
+            finished=float(self.alive.mean()),
+        )
 
 
 def _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s) -> None:

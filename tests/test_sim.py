@@ -262,3 +262,59 @@ def test_a_schedule_that_cannot_finish_is_reported_in_seconds_not_simulated_fore
     assert rarely.wall_overhead_s >= cj.sim.MAX_OVERHEAD_FACTOR * n * 90.0
     # The exact expectation agrees that it is hopeless: over 10^9 s (decades) for 5 hours.
     assert cj.sim.expected_overhead([100], **kw).wall_s > 1e9
+
+
+# A job of 100 one-second steps saving after steps 50 and 100 (1 s stalls), 5 s recoveries.
+REPLAY = dict(n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0, recovery_s=5.0)
+
+
+@pytest.mark.parametrize(
+    ("failures", "expected"),
+    [
+        # (failures, stall, recomputed, recovery)
+        ([], (0, 2.0, 0.0, 0.0)),
+        # 19 s after the save at step 50 (which ended at 51 s) are lost.
+        ([70.0], (1, 2.0, 19.0, 5.0)),
+        # In the stall of step 50: that save never completed, all 50 steps are redone; the
+        # half second of stall is stall.
+        ([50.5], (1, 2.5, 50.0, 5.0)),
+        # The second failure strikes 2 s into the recovery, which starts again.
+        ([70.0, 72.0], (2, 2.0, 19.0, 7.0)),
+        # The job ends at 126 s: a later failure does not count.
+        ([70.0, 500.0], (1, 2.0, 19.0, 5.0)),
+        # Two failures in one segment: 19 s lost, then the redone 19 s and 6 more.
+        ([70.0, 100.0], (2, 2.0, 19.0 + 25.0, 10.0)),
+    ],
+)
+def test_replay_by_hand(failures, expected):
+    res = sim.replay([50, 100], failures, **REPLAY)
+    assert (res.failures, res.stall_s, res.recompute_s, res.recovery_s) == pytest.approx(expected)
+    assert res.wall_overhead_s == pytest.approx(sum(expected[1:]))
+    assert res.n_saves == 2 and res.finished == 1.0
+
+
+def test_replay_weighs_the_recomputed_steps():
+    w = np.where(np.arange(100) < 60, 3.0, 0.5)  # steps 1-60 weigh 3, later ones 0.5
+    res = sim.replay([50, 100], [70.0], weights=w, **REPLAY)
+    # Steps 51-60 lost (10 s at weight 3) and 61-69 (9 s at 0.5): 34.5 weighted seconds.
+    assert res.weighted_overhead_s == pytest.approx(2.0 + 5.0 + 30.0 + 4.5)
+
+
+def test_replays_of_poisson_failures_average_to_the_exact_expectation():
+    rng = np.random.default_rng(11)
+    kw = dict(n_steps=300, step_time_s=1.0, checkpoint_cost_s=4.0, recovery_s=6.0)
+    steps = np.arange(40, 301, 40)
+    # Enough failures for any run: 40 gaps of mean 60 s cover 2400 s, ~8x the job.
+    walls = [
+        sim.replay(steps, np.cumsum(rng.exponential(60.0, 40)), **kw).wall_overhead_s
+        for _ in range(3000)
+    ]
+    exact = sim.expected_overhead(steps, mtbf_s=60.0, **kw).wall_s
+    se = np.std(walls) / math.sqrt(len(walls))
+    assert np.mean(walls) == pytest.approx(exact, abs=4 * se)
+
+
+@pytest.mark.parametrize("times", [[5.0, 3.0], [-1.0], [math.nan], [[1.0, 2.0]]])
+def test_replay_refuses_failure_times_that_are_not_a_timeline(times):
+    with pytest.raises(ValueError, match="failure_times_s"):
+        sim.replay([50], times, **REPLAY)

@@ -161,7 +161,9 @@ class PolicyDriver:
         check_policy(policy)
         self.policy = policy
         self.runner = Runner(policy, broadcast=broadcast)
-        self.runner.compile()  # now, so that no training step is charged for it
+        # Now, so that no training step is charged for it, and in a thread: a restarted job
+        # restores and compiles its training step meanwhile (measured in chaos_bench).
+        self.runner.compile(background=True)
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).
         self._final_step = getattr(policy, "total_steps", None) if save_final_step else None

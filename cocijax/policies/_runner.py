@@ -11,7 +11,9 @@ they are read at the check, when their steps are done.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, final
 
 import jax
@@ -59,6 +61,7 @@ class Runner:
         # The policy runs on the host CPU: on an accelerator its tiny update would queue behind
         # the training step, and reading its decision would wait for the device.
         self._device = jax.local_devices(backend="cpu")[0]
+        self._compiling: Future | None = None  # a compilation running in a thread
         self.state = policy.init()
         self._pending: list[tuple[int, Any, float, float, float, float]] = []
 
@@ -81,11 +84,42 @@ class Runner:
 
     def compile_count(self) -> int:
         """How many times the batched update has been compiled (1 after :meth:`compile`)."""
+        self._wait_compiled()
         return self._update_many._cache_size()
 
-    def compile(self) -> None:
-        """Compiles the batched update now, so that no training step pays for it."""
-        jax.block_until_ready(self._update_many(self._state, _batch([], 0)))
+    def compile(self, *, background: bool = False) -> None:
+        """Compiles the batched update now, so that no training step pays for it.
+
+        Args:
+          background: compile in a thread and return at once; the first check step (or
+            anything that reads :attr:`state`) waits for it and re-raises its error. A
+            restarted job restores and compiles its own training step meanwhile: COCI's
+            update takes seconds to compile, which would otherwise add to every recovery.
+        """
+        self._wait_compiled()
+        if not background:
+            jax.block_until_ready(self._update_many(self._state, _batch([], 0)))
+            return
+        future: Future = Future()
+        state = self._state  # setting `state` meanwhile does not wait: this one is compiled
+
+        def run() -> None:
+            try:
+                jax.block_until_ready(self._update_many(state, _batch([], 0)))
+            except BaseException as e:  # handed to the thread that waits for it
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+        self._compiling = future
+        # Not a daemon: an interpreter that exits meanwhile waits for XLA rather than
+        # finalising under it.
+        threading.Thread(target=run, name="cocijax-policy-compile").start()
+
+    def _wait_compiled(self) -> None:
+        future, self._compiling = self._compiling, None
+        if future is not None:
+            future.result()
 
     def update(
         self,
@@ -109,6 +143,7 @@ class Runner:
 
     def flush(self) -> bool:
         """Feeds the recorded steps to the policy; returns the decision of the last one."""
+        self._wait_compiled()
         if not self._pending:
             return False
         steps = [row[0] for row in self._pending]

@@ -159,6 +159,31 @@ def test_policy_schedule_continues_after_reopen(tmp_path):
     assert_trees_bit_equal(resumed_state, whole_state)
 
 
+def test_opening_and_restoring_do_not_wait_for_the_policy_to_compile(tmp_path):
+    """A restarted job restores and compiles its own step while the policy's update compiles."""
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(3)) as mngr:
+        run_steps(mngr, FakeClock(), 1, 3, np.ones(3))
+    gate = threading.Event()
+    fixed = cj.policies.fixed(3)
+
+    def update(state, **kw):  # runs when the update is traced, i.e. compiled
+        if not gate.wait(timeout=60):
+            raise RuntimeError("the test never opened the gate")
+        return fixed.update(state, **kw)
+
+    # Opening reloads the saved policy state and restoring reads the state, both while the
+    # compilation is held (a manager that waited for it would fail here after 60 s).
+    mngr = cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.Policy(fixed.init, update))
+    with mngr:
+        assert mngr.latest_step() == 3
+        restored = mngr.restore(target={"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
+        assert float(restored["x"][0]) == 3.0
+        gate.set()
+        # The schedule continues from the saved policy state: next saves at 6 and 9.
+        assert [s for s, saved in run_steps(mngr, FakeClock(), 4, 9, np.ones(9)).items()
+                if saved] == [6, 9]  # fmt: skip
+
+
 def _save_two_steps(directory: Path, policy) -> Path:
     with cj.CheckpointManager(directory, policy=policy) as mngr:
         for step in (1, 2):

@@ -1,6 +1,7 @@
 """Every policy, table-driven: jit vs eager, purity, state shape, bad arguments, odd inputs."""
 
 import math
+import threading
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -245,3 +246,38 @@ def test_the_runner_decides_like_a_call_per_step(name):
     np.testing.assert_array_equal(np.asarray(saves, np.int64), every_step)
     if name != "coci_paper":  # it checks every step by design
         assert checks < N  # the point of it: fewer dispatches than steps
+
+
+def _gated(policy, gate: threading.Event, calls: list[str]):
+    """``policy`` whose ``update`` waits for ``gate`` while it is traced (i.e. compiled)."""
+
+    def update(state, **kw):
+        calls.append(threading.current_thread().name)
+        if not gate.wait(timeout=60):
+            raise RuntimeError("gate never opened")
+        return policy.update(state, **kw)
+
+    return cj.policies.Policy(policy.init, update)
+
+
+def test_the_runner_compiles_in_a_thread_and_the_first_check_waits_for_it():
+    gate, calls = threading.Event(), []
+    runner = cj.policies.Runner(_gated(cj.policies.fixed(3), gate, calls))
+    # Returns although the compilation is held at the gate (a synchronous one would fail).
+    runner.compile(background=True)
+    threading.Timer(0.2, gate.set).start()
+    saves = [s for s in range(1, 7)
+             if runner.update(s, loss=1.0, step_time_s=1.0, checkpoint_cost_s=1.0)]  # fmt: skip
+    assert saves == [3, 6]
+    assert calls == ["cocijax-policy-compile"]  # traced once, in the thread
+    assert runner.compile_count() == 1
+
+
+def test_a_failed_background_compilation_is_raised_at_the_first_check():
+    def update(state, **kw):
+        raise ValueError("this policy cannot be traced")
+
+    runner = cj.policies.Runner(cj.policies.Policy(cj.policies.fixed(3).init, update))
+    runner.compile(background=True)
+    with pytest.raises(ValueError, match="cannot be traced"):
+        runner.update(3, loss=1.0, step_time_s=1.0, checkpoint_cost_s=1.0)
