@@ -3,11 +3,12 @@
 Only the device-to-host snapshot blocks ``save``: ``async_save`` copies every replica-0 shard
 to page-aligned host memory exactly once and returns an Orbax commit future that, once Orbax has
 created the item directory, writes the pieces (all roots in parallel), fsyncs them and their
-directories, and then writes this process's manifest part. TensorStore creates every zarr array
-and writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
-``_direct``. ``finalize`` (primary process, after every process committed) merges the parts into
-the manifest. By itself the handler is not atomic: Orbax's temporary-directory rename makes the
-item appear, and the manifest marks it complete.
+directories, and then writes the manifest (with several processes, this process's part of it).
+TensorStore writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
+``_direct``, beside the ``zarr.json`` TensorStore made for them. ``finalize`` (primary process,
+after every process committed) merges the parts into the manifest. By itself the handler is not
+atomic: Orbax's temporary-directory rename makes the item appear, and the manifest marks it
+complete.
 
 Each save writes under a fresh ``cocijax-stripe-<uuid4>`` directory on every root, so saves (and
 processes) never share or overwrite a file. Design after FastPersist (Wang et al., 2024,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -30,7 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
@@ -77,6 +78,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         compression_level: int = 3,
         checksums: bool = True,
         direct_writes: bool = True,
+        reuse_host_buffers: bool = True,
         multiprocessing_options: options_lib.MultiprocessingOptions | None = None,
     ):
         """Creates the handler and checks that every root can be written.
@@ -93,8 +95,12 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           checksums: record xxh3_64 checksums at save and verify them at restore.
           direct_writes: write the chunk files of uncompressed pieces directly, with
             ``O_DIRECT`` where the file system allows it, instead of through TensorStore's
-            buffered writes (TensorStore still writes each piece's metadata; the files are the
-            same).
+            buffered writes (the files are the same).
+          reuse_host_buffers: keep the host copy's buffers after a save (until :meth:`close`)
+            and copy the next save of the same shapes into them: memory already faulted in
+            copies several times faster than fresh memory. The handler then holds one host
+            copy of this process's share of the last tree between saves; ``False`` frees it
+            after each save.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
 
@@ -138,6 +144,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._compression_level = compression_level
         self._checksums = checksums
         self._direct_writes = direct_writes
+        self._reuse_host_buffers = reuse_host_buffers
+        self._buffers = _io.HostBuffers()
         self._concurrency = concurrency
         self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
         self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -189,8 +197,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             itself (``save(directory, tree)`` or ``save(directory, item=tree)``), is accepted.
 
         Returns:
-          One commit future; it writes the pieces, fsyncs them and writes this process's
-          manifest part.
+          One commit future; it writes the pieces, fsyncs them and writes the manifest (this
+          process's part of it, with several processes).
 
         Raises:
           UnsupportedLeafError: a leaf type or dtype is unsupported (names the key path; a
@@ -219,16 +227,18 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def _snapshot(self, item: Any) -> _snapshot.Snapshot:
         self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
-        return _snapshot.take(
-            item,
-            self._roots,
-            piece_bytes=self._piece_bytes,
-            small_bytes=self._small_bytes,
-            chunk_bytes=self._chunk_bytes,
-            write_numpy=jax.process_index() == (self._primary_host or 0),
-            pool=self._pool,
-            start_raw=self._start_raw,
-        )
+        with _io.pause_gc():
+            return _snapshot.take(
+                item,
+                self._roots,
+                piece_bytes=self._piece_bytes,
+                small_bytes=self._small_bytes,
+                chunk_bytes=self._chunk_bytes,
+                write_numpy=jax.process_index() == (self._primary_host or 0),
+                pool=self._pool,
+                start_raw=self._start_raw,
+                buffers=self._buffers,
+            )
 
     def _start_raw(
         self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
@@ -238,11 +248,28 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             return None
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
+        array_dir = stripe_dir / piece.name
         rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
-        jobs = _direct.chunk_jobs(
-            stripe_dir / piece.name, data, rows, direct=self._direct_ok[piece.root]
-        )
+        # Not fsynced one by one: the commit fsyncs every file at once once all are written,
+        # which the file system commits together (each file's own fsync, while others were
+        # still being written, cost a journal commit of its own).
+        direct = self._direct_ok[piece.root]
+        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=direct, sync=False)
+        # The array's zarr.json: TensorStore's own bytes, made once per metadata in memory.
+        meta = memoryview(_write.metadata_file(self._spec(array_dir, piece)))
+        path = array_dir / _write.ZARR_JSON
+        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False, sync=False))
         return [self._io_pool.submit(job) for job in jobs]
+
+    def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
+        return _write.write_spec(
+            array_dir,
+            piece.dtype,
+            piece.shape,
+            chunk_bytes=self._chunk_bytes,
+            compression=self._compression,
+            compression_level=self._compression_level,
+        )
 
     async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
         loop = asyncio.get_running_loop()
@@ -255,28 +282,35 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         writes = []
         for piece in snapshot.pieces:
             data = snapshot.data(piece)
-            spec = _write.write_spec(
-                stripe_dirs[piece.root] / piece.name,
-                piece.dtype,
-                piece.shape,
-                chunk_bytes=self._chunk_bytes,
-                compression=self._compression,
-                compression_level=self._compression_level,
-            )
+            piece_dir = stripe_dirs[piece.root] / piece.name
             started = snapshot.early.get(piece.name)
             if started is None:
                 started = self._start_raw(stripe_dirs[piece.root], piece, data)
             if started is None:
-                writes.append(_write.write_piece(spec, data, self._context))
+                write = _write.write_piece(self._spec(piece_dir, piece), data, self._context)
             else:
-                writes.append(self._finish_raw(spec, started))
+                write = _io.gather_all(asyncio.wrap_future(f) for f in started)
+            writes.append(write)
             if self._checksums:
-                for member in snapshot.member_views(piece):
-                    sums.append(loop.run_in_executor(self._pool, _io.checksum, member))
-        await _io.gather_all(writes)
-        checks = iter(await _io.gather_all(sums))
-        await asyncio.gather(
-            *[loop.run_in_executor(self._pool, _write.fsync_tree, d) for d in stripe_dirs.values()]
+                # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
+                members = snapshot.member_views(piece)
+                sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
+        # Per piece, the files still to fsync (TensorStore fsynced those it wrote itself).
+        written = await _io.gather_all(writes)
+        checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
+        if self._reuse_host_buffers:
+            self._buffers.give_back(snapshot.owned)  # every write and checksum is done
+        # Every file at once, then every directory that gained entries: piece directories,
+        # stripe directories and the roots holding them.
+        files = [path for paths in written if paths for path in paths]
+        await _io.gather_all(
+            loop.run_in_executor(self._io_pool, _direct.fsync_file, f) for f in files
+        )
+        stripes = stripe_dirs.values()
+        dirs = {*(stripe_dirs[p.root] / p.name for p in snapshot.pieces), *stripes}
+        dirs |= {d.parent for d in stripes}
+        await _io.gather_all(
+            loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs
         )
         records = []
         for piece in snapshot.pieces:
@@ -301,22 +335,24 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             pieces=tuple(records),
             custom_metadata=snapshot.custom_metadata,
         )
-        # The part is the last thing written: it only names pieces that are already durable.
-        _manifest.write_json_durably(
-            _manifest.part_path(directory, jax.process_index()), part.to_json()
+        # The manifest (or part) is the last thing written: it only names durable pieces.
+        if jax.process_count() == 1:
+            # This process's part is the whole manifest: written as such, durably, it leaves
+            # ``finalize`` nothing to merge (no part written, read back and parsed again).
+            await loop.run_in_executor(self._pool, _manifest.write_manifest, directory, part)
+            return
+        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
+        # durably before Orbax commits the item, and an item a crash cut before that is not
+        # committed.
+        _manifest.replace_json(
+            _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
         )
-
-    async def _finish_raw(self, spec: dict[str, Any], started: list[concurrent.futures.Future]):
-        """TensorStore creates the zarr array (its metadata); its chunk files were started."""
-        try:
-            await ts.open(spec, context=self._context)
-        finally:
-            await _io.gather_all(asyncio.wrap_future(f) for f in started)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
 
-        Orbax calls this once, after all processes' commit futures completed.
+        Orbax calls this once, after all processes' commit futures completed. A single process
+        wrote the whole manifest in its commit: nothing is left to merge.
 
         Raises:
           CheckpointFormatError: the parts disagree or do not cover every leaf.
@@ -352,16 +388,17 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             the leaf and the file).
         """
         args = _restore_args(args, item)
-        return _restore.restore_tree(
-            pathlib.Path(directory),
-            args.item,
-            self._context,
-            self._pool,
-            verify=self._checksums,
-            io_pool=self._io_pool,
-            roots=args.roots,
-            partial=args.partial,
-        )
+        with _io.pause_gc():
+            return _restore.restore_tree(
+                pathlib.Path(directory),
+                args.item,
+                self._context,
+                self._pool,
+                verify=self._checksums,
+                io_pool=self._io_pool,
+                roots=args.roots,
+                partial=args.partial,
+            )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
         """The saved tree as Orbax's tree metadata, read from the manifest without data.
@@ -380,11 +417,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return _restore.tree_metadata_of(pathlib.Path(directory))
 
     def close(self) -> None:
-        """Stops the handler's copy/checksum threads (they restart if the handler is reused)."""
+        """Stops the handler's threads and frees its kept host buffers (both come back if the
+        handler is used again)."""
         for pool in (self._executor, self._io_executor):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._executor = self._io_executor = None
+        self._buffers.clear()
 
 
 def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:

@@ -327,17 +327,28 @@ def make_dirs(path: os.PathLike | str) -> pathlib.Path:
     return path
 
 
-def write_json_durably(path: pathlib.Path, data: Any) -> None:
-    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
+def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
+    """Replaces ``path`` by ``data`` atomically (tmp file, rename): readers see all or nothing.
+
+    ``fsync`` makes the data durable before the rename; the rename itself is durable once the
+    directory is fsynced. A file that a later durable write supersedes needs neither.
+    """
     tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(data, separators=(",", ":"))  # one write: json.dump writes piecemeal
     try:
         with open(tmp, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     except OSError as e:  # write(2) and fsync(2) errors do not name the file
         raise OSError(e.errno, e.strerror, str(tmp)) from e
     os.replace(tmp, path)
+
+
+def write_json_durably(path: pathlib.Path, data: Any) -> None:
+    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
+    replace_json(path, data, fsync=True)
     fsync_dir(path.parent)
 
 
@@ -437,12 +448,23 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         pieces=tuple(pieces),
         custom_metadata=first.custom_metadata,
     )
-    _schema.check_coverage(merged, item_dir, CheckpointFormatError)
-    write_json_durably(item_dir / MANIFEST_NAME, merged.to_json())
-    for p in part_files:
-        p.unlink()
-    fsync_dir(item_dir)
+    write_manifest(item_dir, merged, remove=part_files)
     return merged
+
+
+def write_manifest(
+    item_dir: pathlib.Path, manifest: Manifest, *, remove: Sequence[pathlib.Path] = ()
+) -> None:
+    """Writes the manifest of ``item_dir`` durably, removing ``remove`` (merged parts) with it.
+
+    Raises:
+      CheckpointFormatError: some leaf is not fully covered by the pieces.
+    """
+    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    replace_json(item_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
+    for p in remove:
+        p.unlink()
+    fsync_dir(item_dir)  # once, for the manifest's rename and the parts' removal
 
 
 def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:

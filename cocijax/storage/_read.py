@@ -1,13 +1,14 @@
 """The read path: pieces read back into place, their checksums verified, ``verify``.
 
-TensorStore opens every array and reads compressed pieces and parts of pieces; whole
-uncompressed pieces are read from their chunk files by ``_direct``.
+TensorStore reads compressed pieces and parts of pieces; whole uncompressed pieces (and packs)
+are read from their chunk files by ``_direct``, their layout taken from their ``zarr.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import math
 import os
 import pathlib
@@ -17,11 +18,12 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _direct, _layout, _manifest, _tree
+from cocijax.storage import _direct, _layout, _manifest, _tree, _write
 from cocijax.storage._io import (
     CHECKSUM,
     aligned_empty,
     checksum,
+    checksums,
     gather_all,
     make_context,
     run_sync,
@@ -75,6 +77,7 @@ class PieceReader:
         for p in manifest.pieces:
             self._files.setdefault((p.root, p.file), []).append(p)
         self._open: dict[tuple[int, str], asyncio.Future] = {}
+        self._raw: dict[tuple[int, str], asyncio.Future] = {}
         self._full: dict[tuple[int, str], asyncio.Future] = {}
         self._uses: dict[tuple[int, str], int] = {}
 
@@ -106,19 +109,30 @@ class PieceReader:
         return await self._full[key]
 
     async def _load_and_check(self, piece: PieceRecord) -> tuple[np.ndarray, dict[Any, str]]:
-        """The whole file, and the checksum failures of its members (a pack holds many)."""
-        array = await self._array(piece)
+        """The whole file, and the checksum failures of its members (a pack holds many).
+
+        Read into an aligned buffer of its own (directly from raw chunk files), so that a whole
+        packed member can be handed out as a view of it (:meth:`member`).
+        """
+        raw = await self._raw_layout(piece)
+        if raw is None:
+            array = await self._array(piece)
+            shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
+        else:
+            shape, dtype = raw[0], self._dtype(piece)
+        data = aligned_empty(shape, dtype)
         try:
-            data = await array.read()
+            await self._read_array(piece, (...,), data, True)
+        except CorruptCheckpointError:
+            raise
         except Exception as e:
             raise self._error(piece, f"cannot read the data ({e})") from e
         bad: dict[Any, str] = {}
         if self._verify:
             loop = asyncio.get_running_loop()
             members = self._files[(piece.root, piece.file)]
-            sums = await asyncio.gather(
-                *[loop.run_in_executor(self._pool, checksum, _member(data, m)) for m in members]
-            )
+            views = [_member(data, m) for m in members]
+            sums = await loop.run_in_executor(self._pool, checksums, views)
             for m, got in zip(members, sums, strict=True):
                 if m.checksum is not None and got != m.checksum:
                     bad[_ident(m)] = _mismatch(m.checksum, got)
@@ -142,9 +156,10 @@ class PieceReader:
         whole = piece.offset is None and start == piece.start and stop == piece.stop
         if piece.offset is None and (whole or not self._verify):
             self._release(key)
-            array = await self._array(piece)
             try:
-                await self._read_array(piece, array, local, dest, whole)
+                await self._read_array(piece, local, dest, whole)
+            except CorruptCheckpointError:
+                raise
             except Exception as e:
                 raise self._error(piece, f"cannot read the data ({e})") from e
             if whole and self._verify and piece.checksum is not None:
@@ -161,21 +176,54 @@ class PieceReader:
             raise self._error(piece, bad[_ident(piece)])
         dest[...] = _member(data, piece)[local]
 
+    async def member(self, piece: PieceRecord) -> np.ndarray:
+        """The whole packed member ``piece`` as a view of its file's buffer: no copy.
+
+        Raises:
+          CorruptCheckpointError: the file cannot be read or the member fails its checksum.
+        """
+        try:
+            data, bad = await self._read_full(piece)
+        finally:
+            self._release((piece.root, piece.file))
+        if _ident(piece) in bad:
+            raise self._error(piece, bad[_ident(piece)])
+        return _member(data, piece)
+
     async def _read_array(
-        self, piece: PieceRecord, array: ts.TensorStore, local: tuple, dest: np.ndarray, whole: bool
+        self, piece: PieceRecord, local: tuple, dest: np.ndarray, whole: bool
     ) -> None:
-        rows = None
-        if whole and dest.flags.c_contiguous:
-            rows = _direct.raw_chunk_rows(array.spec().to_json().get("metadata", {}))
-        if rows is None:
+        raw = await self._raw_layout(piece) if whole and dest.flags.c_contiguous else None
+        if raw is None or raw[0] != dest.shape:
+            array = await self._array(piece)
             await ts.array(dest, copy=False, write=True).write(array[local])
             return
         # Raw chunk files of a whole piece: read straight into their rows of ``dest``.
         loop = asyncio.get_running_loop()
         path = self._m.piece_path(piece, self._dir)
-        await gather_all(
-            loop.run_in_executor(self._io_pool, job) for job in _direct.read_jobs(path, dest, rows)
-        )
+        jobs = _direct.read_jobs(path, dest, raw[1])
+        await gather_all(loop.run_in_executor(self._io_pool, job) for job in jobs)
+
+    async def _raw_layout(self, piece: PieceRecord) -> tuple[tuple[int, ...], Any] | None:
+        """Stored shape and chunk layout of a piece whose chunk files are its raw bytes.
+
+        Read from its ``zarr.json`` (once per file) without opening it in TensorStore; ``None``
+        when the piece is stored otherwise or its metadata cannot be read (TensorStore then
+        opens it and reports what is wrong).
+        """
+        key = (piece.root, piece.file)
+        if key not in self._raw:
+            path = self._m.piece_path(piece, self._dir) / _write.ZARR_JSON
+            loop = asyncio.get_running_loop()
+            self._raw[key] = loop.run_in_executor(self._io_pool, _raw_metadata, path)
+        metadata = await self._raw[key]
+        if metadata is None or metadata.get("data_type") != self._dtype(piece).name:
+            return None
+        layout = _direct.raw_chunk_layout(metadata)
+        return None if layout is None else (tuple(metadata["shape"]), layout)
+
+    def _dtype(self, piece: PieceRecord) -> np.dtype:
+        return _tree.to_dtype(self._m.leaves[piece.leaf].dtype)
 
     def reserve(self, piece: PieceRecord) -> None:
         """Announces one future :meth:`read_into` call on ``piece``'s file.
@@ -201,6 +249,16 @@ class PieceReader:
         """Drops the cached data of one file."""
         self._full.pop(key, None)
         self._open.pop(key, None)
+        self._raw.pop(key, None)
+
+
+def _raw_metadata(path: pathlib.Path) -> dict[str, Any] | None:
+    """A zarr v3 array's metadata read from its ``zarr.json``; ``None`` if it cannot be."""
+    try:
+        metadata = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
 
 
 def _mismatch(expected: int, got: int) -> str:

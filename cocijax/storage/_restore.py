@@ -102,6 +102,9 @@ def restore_tree(
                 devices.append(device)
                 owners.append(i)
     placed: list[list[Any]] = [[] for _ in plans]
+    # Placed here, in the caller's thread, not as each region arrives: JAX's configuration
+    # (jax_enable_x64 above all) is thread-local, and the reads' event loop may run in a
+    # thread of its own (``run_sync``), where a 64-bit leaf would silently narrow.
     for i, array in zip(owners, jax.device_put(to_put, devices), strict=True):
         placed[i].append(array)
     values = [
@@ -283,8 +286,15 @@ def _request(
 
 
 async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
-    """The host array of one requested region of one leaf, read in place from its pieces."""
+    """The host array of one requested region of one leaf, read in place from its pieces.
+
+    A region that is one whole member of a pack is a view of the pack's buffer (no copy).
+    """
     start, stop, parts = request
+    if len(parts) == 1 and parts[0][0].offset is not None:
+        piece, lo, hi = parts[0]
+        if (lo, hi) == (start, stop) == (piece.start, piece.stop):
+            return await reader.member(piece)
     out = _io.aligned_empty(tuple(b - a for a, b in zip(start, stop, strict=True)), dtype)
     await _io.gather_all(
         reader.read_into(p, lo, hi, out[_layout.local_slices(lo, hi, start)]) for p, lo, hi in parts

@@ -20,7 +20,7 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 import cocijax as cj
 from cocijax import storage
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _write
+from cocijax.storage import _direct
 
 
 def small_state(seed: int = 0):
@@ -455,10 +455,10 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
 
 
 def test_a_save_in_flight_is_not_listed_until_committed(tmp_path, monkeypatch):
-    # The save is held in its commit (before the stripes' fsync) until the test lets it go.
+    # The save is held in its commit (at the fsync of its files) until the test lets it go.
     release = threading.Event()
-    fsync_tree = _write.fsync_tree
-    monkeypatch.setattr(_write, "fsync_tree", lambda d: (release.wait(60), fsync_tree(d)))
+    fsync_file = _direct.fsync_file
+    monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     state = {"w": np.ones((4, 1 << 18), np.float32)}
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
         assert mngr.save(1, state, loss=1.0)

@@ -32,7 +32,7 @@ def _piece_of(item, leaf_path):
 
 
 def _chunk_files(piece_dir: pathlib.Path):
-    return sorted(p for p in (piece_dir / "c").rglob("*") if p.is_file())
+    return sorted(p for p in piece_dir.iterdir() if p.name.startswith("c."))
 
 
 def test_intact_checkpoint_verifies_clean(saved):
