@@ -7,10 +7,14 @@ uses: the handler and its args, reading and verifying what it wrote (:func:`read
 :func:`verify`), and what a manager needs to refuse a tree before saving it
 (:func:`check_tree`), to collect the stripes no step references
 (:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`)
-and to make a rename durable (:func:`fsync_dir`).
+and to make a rename durable (:func:`fsync_dir`). Roots and items may be on object stores
+(:class:`KvPath`: ``s3://``, ``gs://`` through TensorStore's kvstores); :func:`copy_item`
+copies a committed item there, every checksum checked, its manifest last.
 """
 
+from cocijax.storage._copy import CopyStats, copy_item
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
+from cocijax.storage._kvpath import KvPath, is_url
 from cocijax.storage._manifest import (
     MANIFEST_NAME,
     STRIPE_PREFIX,
@@ -25,7 +29,9 @@ from cocijax.storage._manifest import (
     fsync_dir,
     read_manifest,
     referenced_stripe_dirs,
+    remove_tree,
     unreferenced_stripe_dirs,
+    write_manifest,
 )
 from cocijax.storage._read import verify
 from cocijax.storage._tree import UnsupportedLeafError
@@ -34,7 +40,9 @@ __all__ = [
     "MANIFEST_NAME",
     "STRIPE_PREFIX",
     "CheckpointFormatError",
+    "CopyStats",
     "CorruptCheckpointError",
+    "KvPath",
     "LeafRecord",
     "Manifest",
     "PieceRecord",
@@ -44,10 +52,14 @@ __all__ = [
     "StripedSave",
     "UnsupportedLeafError",
     "check_tree",
+    "copy_item",
     "find_stripe_dirs",
     "fsync_dir",
+    "is_url",
     "read_manifest",
     "referenced_stripe_dirs",
+    "remove_tree",
     "unreferenced_stripe_dirs",
     "verify",
+    "write_manifest",
 ]
