@@ -65,6 +65,7 @@ from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, check_metrics
+from cocijax.manager._tiers import manager_root, open_durable, pin_steps
 
 __all__ = ["CheckpointManager"]
 
@@ -140,12 +141,25 @@ class CheckpointManager:
       prior_mtbf_s: the MTBF the learned estimate starts from; default 24 h divided by
         ``jax.device_count()``.
       clock: monotonic clock in seconds; injectable for deterministic tests.
+      durable: a second, durable tier: an object-store URL (``s3://bucket/run42``,
+        ``gs://bucket/run42``) or a path (a shared or network file system). After a step
+        commits locally, a background thread copies it there (pieces, manifest, policy,
+        metrics and extra items; every checksum checked; the durable manifest last); a
+        ``save`` never waits for it. While a drain runs, only the newest committed step is
+        drained next. ``all_steps``/``latest_step``/``restore`` cover both tiers.
+      durable_every: drain every ``durable_every``-th saved step (a preemption save always).
+      durable_max_to_keep: steps kept on the durable tier (``None``: all); its newest
+        committed step is never deleted.
+      durable_options: TensorStore kvstore options for an object-store ``durable``, e.g.
+        ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}``.
 
     Raises:
       ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
-        or ``best_mode``/``keep_latest``/``preemption_signals`` are out of range.
-      TypeError: ``best_fn`` is not callable, or ``preemption_signals`` is not a sequence of
-        signals.
+        ``best_mode``/``keep_latest``/``preemption_signals``/``durable_every``/
+        ``durable_max_to_keep`` are out of range, or ``durable`` has an unsupported URL
+        scheme or options TensorStore refuses.
+      TypeError: ``best_fn`` is not callable, ``preemption_signals`` is not a sequence of
+        signals, or a ``durable*`` argument has the wrong type.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
@@ -174,6 +188,10 @@ class CheckpointManager:
         handler_options: dict[str, Any] | None = None,
         prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        durable: str | os.PathLike[str] | None = None,
+        durable_every: int = 1,
+        durable_max_to_keep: int | None = None,
+        durable_options: dict[str, Any] | None = None,
     ):
         from cocijax import policies
 
@@ -185,7 +203,8 @@ class CheckpointManager:
         self._directory = Path(directory).absolute()
         if self._directory.exists() and not self._directory.is_dir():
             raise NotADirectoryError(f"directory: {self._directory} exists and is not a directory.")
-        self._roots = tuple(Path(r).absolute() for r in roots) if roots else ()
+        root_options = (handler_options or {}).get("root_options")
+        self._roots = tuple(manager_root(r, root_options) for r in roots) if roots else ()
         # Each checkpoint directory stripes into its own folder on a root, so that the garbage
         # collection of one manager never sees (and removes) the stripes of another directory
         # sharing the root. Derived from the path, not random, so that every process of a job
@@ -227,6 +246,20 @@ class CheckpointManager:
         prior = policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
         prior = check("prior_mtbf_s", prior, POSITIVE)
         policy = policies.coci() if policy is None else policy
+        # The durable tier (None without one): its drain pins the steps it still needs.
+        self._durable = open_durable(
+            durable,
+            durable_options,
+            every=durable_every,
+            max_to_keep=durable_max_to_keep,
+            local=self._directory,
+            step_name=options.step_name_format.build_name,
+            source_options=root_options,
+            writer=not options.read_only and self._primary,
+            clock=clock,
+        )
+        if self._durable is not None:
+            options = pin_steps(options, self._durable.pinned)
 
         if not self._read_only:
             self._directory.mkdir(parents=True, exist_ok=True)
@@ -271,14 +304,19 @@ class CheckpointManager:
                 self._directory, options=options, handler_registry=registry
             )
             self._collect_garbage()
+            if self._durable is not None:
+                self._durable.open(max(self._local_steps(), default=None))
             latest = self.latest_step()
             self._history.adopt(None)
             if latest is not None:
-                self._load_policy(latest, history=True)
+                where = "local" if latest in self._local_steps() else "durable"
+                self._load_policy(latest, history=True, where=where)
             self._latest_saved = latest
         except BaseException:
             if hasattr(self, "orbax"):
                 self.orbax.close()
+            if self._durable is not None:
+                self._durable.close()
             self._release()
             raise
         self._pending_loss: Any = None
@@ -319,8 +357,12 @@ class CheckpointManager:
 
     @property
     def measurements(self) -> Measurements:
-        """The inputs of the policy's last decision (see :class:`Measurements`)."""
-        return self._driver.measurements()
+        """The inputs of the policy's last decision (see :class:`Measurements`), and the time
+        of the last drain to the durable tier (``drain_s``)."""
+        measured = self._driver.measurements()
+        if self._durable is not None:
+            measured = measured._replace(drain_s=self._durable.drain_s)
+        return measured
 
     @property
     def restored_step(self) -> int | None:
@@ -337,7 +379,17 @@ class CheckpointManager:
         return self.orbax.metrics(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first: a save still in flight is not listed."""
+        """Committed steps of both tiers, oldest first: a save still in flight is not listed."""
+        durable = self._durable.steps() if self._durable is not None else []
+        return sorted(set(self._local_steps()) | set(durable))
+
+    def durable_steps(self) -> list[int]:
+        """Steps committed on the durable tier, oldest first (``[]`` without one)."""
+        self._check_open()
+        return self._durable.steps() if self._durable is not None else []
+
+    def _local_steps(self) -> list[int]:
+        """Committed steps of the local tier, oldest first."""
         # Orbax lists a step as soon as its save starts; committed means the manifest is there.
         # A manifest, once valid, stays so: each step directory is read once.
         steps = sorted(self.orbax.all_steps())
@@ -350,7 +402,7 @@ class CheckpointManager:
         return [step for step in steps if step in self._committed]
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step of either tier, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -423,6 +475,8 @@ class CheckpointManager:
         )
         if saved or preempted:
             self._save(step, state, loss, extra, metrics, custom_metadata)
+            if self._durable is not None:
+                self._durable.offer(step, force=preempted)  # drained once committed
         if preempted:
             self._preempted_step = step  # what the job resumes from: retention keeps it
             self.wait_until_finished()
@@ -457,6 +511,7 @@ class CheckpointManager:
         try:
             with self._driver.saving() as measured:
                 self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
+                self._settle()
                 self._apply_retention()
                 self._collect_garbage()
                 self._clear_uncommitted(step)
@@ -505,13 +560,14 @@ class CheckpointManager:
         """Deletes the committed steps best-N does not keep (every process, same decision)."""
         if self._best is None or self._read_only:
             return
-        steps = self.all_steps()
+        steps = self._local_steps()
+        pinned = self._durable.pinned() if self._durable is not None else set()
         for step in steps:
             if step not in self._metrics:
                 self._metrics[step] = self.orbax.metrics(step)  # from disk: one truth for all
         for step in self._best.to_delete({s: self._metrics[s] for s in steps}):
-            if step == self._preempted_step:
-                continue  # even with keep_latest=0: the job resumes from it
+            if step == self._preempted_step or step in pinned:
+                continue  # the job resumes from it even with keep_latest=0; the drain reads it
             self.orbax.delete(step)
             self._committed.discard(step)
             del self._metrics[step]
@@ -543,11 +599,16 @@ class CheckpointManager:
         fallback: bool = False,
         extra: dict[str, Any] | None = None,
         partial: bool = False,
+        tier: str | None = None,
     ):
         """Restores a step's state and continues the policy schedule from that step.
 
+        With a durable tier, a step may have two copies: the local one is read first. A
+        durable copy is read straight from the durable tier (the pieces the target needs,
+        through TensorStore; the small items are downloaded and checked first).
+
         Args:
-          step: the step; None for the latest.
+          step: the step; None for the newest step of the tiers asked for.
           target: an abstract tree (``jax.ShapeDtypeStruct`` with shardings, or arrays) giving
             the structure, dtypes and placement; None restores as saved.
           fallback: if the step is damaged, restore the newest older step that is intact
@@ -556,6 +617,8 @@ class CheckpointManager:
             args (``ocp.args.JsonRestore()``, ``grain.checkpoint.CheckpointRestore(iterator)``).
           partial: ``target`` may be any sub-tree of the saved state (e.g. only the
             parameters); the leaves it omits are not read.
+          tier: ``"local"`` or ``"durable"`` to read only that tier's copies; ``None``
+            (default) reads either, local first.
 
         Returns:
           The restored state; ``(state, extra)`` when ``extra`` is given, ``extra`` a dict of
@@ -568,7 +631,7 @@ class CheckpointManager:
             step's items).
           ValueError: ``target`` does not match the saved tree (names the leaf; with
             ``partial``, a target leaf that was never saved), ``partial`` without a target,
-            or a reserved ``extra`` name.
+            a reserved ``extra`` name, or an unknown ``tier`` (or ``"durable"`` without one).
           TypeError: an ``extra`` args type is unknown to Orbax (names the key).
           cocijax.storage.CorruptCheckpointError: the step is damaged (and ``fallback`` is
             False or no intact older step exists).
@@ -579,39 +642,27 @@ class CheckpointManager:
             raise ValueError(
                 "restore: partial=True needs a target, the sub-tree of the saved state to read."
             )
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"restore: no committed step in {self._directory}.")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"restore: step {step} is not a committed step in {self._directory} "
-                f"(committed: {steps})."
-            )
-        candidates = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
-        skipped: list[int] = []
-        for candidate in candidates:
+        candidates = self._copies(step, tier, fallback=fallback)
+        skipped: list[str] = []
+        for candidate, where in candidates:
             try:
-                restored = self.orbax.restore(
+                restored = self._restore_items(
                     candidate,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
-                    ),
+                    where,
+                    {STATE_ITEM: storage.StripedRestore(target, partial=partial), **items},
                 )
             except (storage.CorruptCheckpointError, storage.CheckpointFormatError) as e:
-                if not fallback or candidate == candidates[-1]:
+                if not fallback or (candidate, where) == candidates[-1]:
                     if skipped:
-                        e.add_note(f"restore: also damaged, skipped: steps {skipped}")
+                        e.add_note(f"restore: also damaged, skipped: {', '.join(skipped)}")
                     raise
+                what = f"step {candidate}" + (f" ({where} copy)" if self._durable else "")
                 warnings.warn(
-                    f"restore: skipping damaged step {candidate}: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    f"restore: skipping damaged {what}: {e}", RuntimeWarning, stacklevel=2
                 )
-                skipped.append(candidate)
+                skipped.append(what)
                 continue
-            self._load_policy(candidate)
+            self._load_policy(candidate, where=where)
             self._restored_step = candidate
             self._pending_loss = None
             self._driver.restart_timing()
@@ -621,7 +672,38 @@ class CheckpointManager:
             return restored[STATE_ITEM], {name: restored[name] for name in items}
         raise AssertionError("unreachable: the last candidate returns or raises")
 
-    def _load_policy(self, step: int, *, history: bool = False) -> None:
+    def _copies(self, step: int | None, tier: str | None, *, fallback: bool) -> list[tuple]:
+        """The copies ``restore`` tries in turn: ``(step, "local" | "durable")``."""
+        if tier not in (None, "local", "durable"):
+            raise ValueError(f"restore: tier must be None, 'local' or 'durable', got {tier!r}.")
+        if tier == "durable" and self._durable is None:
+            raise ValueError("restore: tier='durable', but this manager has no durable tier.")
+        local = self._local_steps() if tier != "durable" else []
+        durable = self._durable.steps() if self._durable is not None and tier != "local" else []
+        steps = sorted(set(local) | set(durable))
+        where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"restore: no committed step in {where}.")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"restore: step {step} is not a committed step in {where} (committed: "
+                f"{steps}{f'; on the durable tier: {durable}' if durable else ''})."
+            )
+        order = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
+        copies = [
+            (s, t) for s in order for t, ts in (("local", local), ("durable", durable)) if s in ts
+        ]
+        return copies if fallback else copies[:1]
+
+    def _restore_items(self, step: int, where: str, items: dict[str, Any]) -> Any:
+        """Orbax's restore of ``items`` from the local or the durable copy of ``step``."""
+        if where == "local":
+            return self.orbax.restore(step, args=ocp.args.Composite(**items))
+        return self._durable.restore(step, items)
+
+    def _load_policy(self, step: int, *, history: bool = False, where: str = "local") -> None:
         """Adopts the policy state saved with ``step`` (and, when asked, the job history).
 
         A policy state saved by another policy cannot be continued: the policy starts fresh,
@@ -629,12 +711,13 @@ class CheckpointManager:
         """
         if self._read_only:
             return  # a reader never saves: the schedule is of no use to it
+        copy = where
         where = self._directory / self._name_format.build_name(step) / POLICY_ITEM
+        if copy == "durable":
+            where = self._durable.root / str(step) / POLICY_ITEM
         try:
-            data = self.orbax.restore(
-                step, args=ocp.args.Composite(**{POLICY_ITEM: PolicyStateRestore()})
-            )[POLICY_ITEM]
-        except (ValueError, OSError, KeyError) as e:
+            data = self._restore_items(step, copy, {POLICY_ITEM: PolicyStateRestore()})[POLICY_ITEM]
+        except (ValueError, OSError, KeyError, RuntimeError) as e:
             self._warn_policy(f"the policy state of step {step} cannot be read ({e})")
             return
         if history:
@@ -659,7 +742,7 @@ class CheckpointManager:
     # -- delete, wait, close ----------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Deletes a committed step and, with external roots, its stripes.
+        """Deletes a committed step and, with external roots, its stripes (on both tiers).
 
         Raises:
           ManagerClosedError: the manager was closed.
@@ -672,18 +755,40 @@ class CheckpointManager:
                 f"(committed: {self.all_steps()})."
             )
         self.orbax.wait_until_finished()
-        self.orbax.delete(step)
+        self._settle()
+        if self._durable is not None:
+            self._durable.wait(raise_errors=False)  # a drain of this step ends first
+            if step in self._durable.steps():
+                self._durable.delete(step)
+        if step in self._local_steps():
+            self.orbax.delete(step)
         self._committed.discard(step)
         self._latest_saved = self.latest_step()
         self._collect_garbage()
 
-    def wait_until_finished(self) -> None:
-        """Blocks until the running save is committed (re-raises its error), then collects."""
+    def wait_until_finished(self, *, durable: bool = False) -> None:
+        """Blocks until the running save is committed (re-raises its error), then collects.
+
+        Args:
+          durable: also wait until the committed steps handed to the durable tier are drained
+            (or skipped for a newer one), and raise the first drain error since the last call.
+
+        Raises:
+          DurableTierError: with ``durable``, a drain failed (names the step and the URL).
+        """
         self._check_open()
         self.orbax.wait_until_finished()
+        self._settle()
         self.orbax.check_for_errors()
         self._apply_retention()
         self._collect_garbage()
+        if durable and self._durable is not None:
+            self._durable.wait(raise_errors=True)
+
+    def _settle(self) -> None:
+        """Tells the drain that no local save is in flight (the manager waited for it)."""
+        if self._durable is not None:
+            self._durable.settle()
 
     def close(self) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock."""
@@ -696,6 +801,8 @@ class CheckpointManager:
         finally:
             try:
                 self.orbax.close()
+                if self._durable is not None:
+                    self._durable.close()  # the last drain ends; its errors were logged
             finally:
                 self._closed = True
                 self._preemption.uninstall()

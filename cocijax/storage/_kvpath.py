@@ -12,6 +12,7 @@ written into a manifest, which records only the URL.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -146,8 +147,12 @@ class KvPath:
         return spec
 
     def open(self, context: ts.Context | None = None) -> ts.KvStore:
-        """Opens the kvstore at this prefix (keys are relative to it)."""
-        return ts.KvStore.open(self.spec(), context=context).result()
+        """Opens the kvstore at this prefix (keys are relative to it).
+
+        Without a ``context``, one shared context: its resources (connections, the credential
+        provider) are made once per process, not once per call.
+        """
+        return ts.KvStore.open(self.spec(), context=context or _shared_context()).result()
 
     # Synchronous helpers for small objects (manifests, JSON items); pieces go through zarr3.
 
@@ -197,6 +202,11 @@ class KvPath:
         """Deletes the object at this key (no error when it does not exist)."""
         parent, name = self.split()
         parent.open(context).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+
+
+@functools.cache
+def _shared_context() -> ts.Context:
+    return ts.Context()
 
 
 def _options_json(options: Mapping[str, Any] | None, where: str, driver: str) -> str:
