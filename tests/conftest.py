@@ -58,6 +58,10 @@ class S3Bucket:
             },
         }
 
+    def options_of_a_server_that_is_down(self) -> dict:
+        """:attr:`options` with an endpoint on 127.0.0.1 where nothing listens."""
+        return {**self.options, "endpoint": f"http://127.0.0.1:{free_port()}"}
+
     def keys(self, prefix: str = "") -> list[str]:
         """Every object key under ``prefix``, sorted."""
         pages = self.client.get_paginator("list_objects_v2").paginate(

@@ -180,10 +180,7 @@ def test_garbage_collection_on_both_tiers_keeps_the_newest_durable_step(tmp_path
 def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(
     tmp_path, s3, caplog
 ):
-    from conftest import free_port
-
-    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    options = {**s3.options, "endpoint": down}
+    options = s3.options_of_a_server_that_is_down()
     with caplog.at_level(logging.WARNING, logger="cocijax"):
         with cj.CheckpointManager(
             tmp_path / "ckpt",
