@@ -156,17 +156,7 @@ class DurableTier:
         return sorted(steps)
 
     def _scan(self) -> tuple[list[int], list[int]]:
-        """Committed steps, and step prefixes without a manifest (incomplete drains)."""
-        seen: set[int] = set()
-        committed: set[int] = set()
-        manifest = f"{STATE_ITEM}/{storage.MANIFEST_NAME}"
-        for key in self.root.list():
-            head, _, rest = key.partition("/")
-            if STEP_RE.match(head):
-                seen.add(int(head))
-                if rest == manifest:
-                    committed.add(int(head))
-        return sorted(committed), sorted(seen - committed)
+        return scan(self.root)
 
     def steps(self) -> list[int]:
         """The steps committed on the durable tier, oldest first (as last listed or drained)."""
@@ -394,25 +384,14 @@ class DurableTier:
         """
         prefix = self.root / str(step)
         local = into / str(step)
-        record_bytes = (prefix / STEP_FILES).read_bytes()
         manifest = (prefix / STATE_ITEM / storage.MANIFEST_NAME).read_bytes()
-        if record_bytes is None or manifest is None:
+        if manifest is None:
             raise FileNotFoundError(f"step {step} is not committed on the durable tier {self.url}.")
-        try:
-            record = json.loads(record_bytes)
-            files = record["files"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise storage.CorruptCheckpointError(f"{prefix / STEP_FILES} is damaged: {e}.") from e
         shutil.rmtree(local, ignore_errors=True)
-        for entry in files:
-            data = (prefix / entry["path"]).read_bytes()
-            if data is None or len(data) != entry["size"] or _digest(data) != entry["xxh3_64"]:
-                found = "missing" if data is None else f"{len(data)} bytes, xxh3_64 {_digest(data)}"
-                raise storage.CorruptCheckpointError(
-                    f"{prefix / entry['path']}: expected {entry['size']} bytes with xxh3_64 "
-                    f"{entry['xxh3_64']}, found {found}."
-                )
-            target = local / entry["path"]
+        for path, data, problem in step_files(prefix):
+            if problem is not None:
+                raise storage.CorruptCheckpointError(problem.message)
+            target = local / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
         (local / STATE_ITEM).mkdir(parents=True, exist_ok=True)
@@ -422,6 +401,63 @@ class DurableTier:
 
 def _digest(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+def scan(root: storage.KvPath) -> tuple[list[int], list[int]]:
+    """A durable tier's committed steps, and its step prefixes without a manifest (drains that
+    never committed), both sorted, from one listing.
+
+    Raises:
+      ValueError, OSError: the tier cannot be listed (TensorStore's error, naming it).
+    """
+    seen: set[int] = set()
+    committed: set[int] = set()
+    manifest = f"{STATE_ITEM}/{storage.MANIFEST_NAME}"
+    for key in root.list():
+        head, _, rest = key.partition("/")
+        if STEP_RE.match(head):
+            seen.add(int(head))
+            if rest == manifest:
+                committed.add(int(head))
+    return sorted(committed), sorted(seen - committed)
+
+
+def step_files(prefix: storage.KvPath) -> list[tuple[str, bytes | None, storage.Problem | None]]:
+    """Each file a durable step records besides its pieces: ``(path, data, problem)``.
+
+    ``problem`` is ``None`` when the file has the size and xxh3_64 its record says (a missing
+    or unreadable record is one problem).
+    """
+    record_path = prefix / STEP_FILES
+    try:
+        files = json.loads(record_path.read_text())["files"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        return [(STEP_FILES, None, storage.Problem("", str(record_path), f"{record_path}: {e}"))]
+    out = []
+    for entry in files:
+        where = prefix / entry["path"]
+        data = where.read_bytes()
+        problem = None
+        if data is None or len(data) != entry["size"] or _digest(data) != entry["xxh3_64"]:
+            found = "missing" if data is None else f"{len(data)} bytes, xxh3_64 {_digest(data)}"
+            problem = storage.Problem(
+                "",
+                str(where),
+                f"{where}: expected {entry['size']} bytes with xxh3_64 {entry['xxh3_64']}, "
+                f"found {found}.",
+            )
+        out.append((entry["path"], data, problem))
+    return out
+
+
+def verify_durable_step(
+    root: storage.KvPath, step: int, *, root_options: Mapping[str, Any] | None = None
+) -> list[storage.Problem]:
+    """Every problem of a committed durable step: its pieces (``storage.verify``) and its other
+    files (sizes and xxh3_64 against its record)."""
+    prefix = root / str(step)
+    problems = [p for _, _, p in step_files(prefix) if p is not None]
+    return problems + storage.verify(prefix / STATE_ITEM, root_options=root_options)
 
 
 class _Pinned:
