@@ -10,12 +10,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import socket  # noqa: E402
-import uuid  # noqa: E402
+import dataclasses
+import logging
+import socket
+import uuid
 
-import pytest  # noqa: E402
+import pytest
 
 
 def free_port() -> int:

@@ -86,9 +86,7 @@ def test_every_item_is_drained_and_restores_bit_exact_from_either_tier(tmp_path,
         assert all(k.split("/")[1] in ("1", "2") for k in keys)
 
 
-def test_a_new_machine_lists_the_durable_steps_and_restores_the_newest_bit_exact(
-    tmp_path, durable
-):
+def test_a_new_machine_lists_the_durable_steps_and_restores_the_newest_bit_exact(tmp_path, durable):
     with _manager(tmp_path, durable) as mngr:
         for step in (1, 2, 3):
             mngr.save(step, _state(step), loss=1.0)
@@ -177,25 +175,25 @@ def test_garbage_collection_on_both_tiers_keeps_the_newest_durable_step(tmp_path
         assert mngr.all_steps() == [4] and mngr.durable_steps() == [4]
 
 
-def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(
-    tmp_path, s3, caplog
-):
+def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(tmp_path, s3, caplog):
     options = s3.options_of_a_server_that_is_down()
-    with caplog.at_level(logging.WARNING, logger="cocijax"):
-        with cj.CheckpointManager(
+    with (
+        caplog.at_level(logging.WARNING, logger="cocijax"),
+        cj.CheckpointManager(
             tmp_path / "ckpt",
             policy=cj.policies.fixed(1),
             durable=s3.url("run"),
             durable_options=options,
-        ) as mngr:
-            for step in (1, 2):
-                mngr.save(step, _state(step), loss=1.0)
-                mngr.wait_until_finished()  # local commits are not held up
-                assert mngr._local_steps()[-1] == step
-            with pytest.raises(DurableTierError, match=r"step \d to s3://") as caught:
-                mngr.wait_until_finished(durable=True)
-            assert mngr.durable_steps() == []
-            assert _same(mngr.restore(), _state(2))
+        ) as mngr,
+    ):
+        for step in (1, 2):
+            mngr.save(step, _state(step), loss=1.0)
+            mngr.wait_until_finished()  # local commits are not held up
+            assert mngr._local_steps()[-1] == step
+        with pytest.raises(DurableTierError, match=r"step \d to s3://") as caught:
+            mngr.wait_until_finished(durable=True)
+        assert mngr.durable_steps() == []
+        assert _same(mngr.restore(), _state(2))
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     drained = [m for m in errors if m.startswith("drain of step")]
     steps = [m.split()[3] for m in drained]
