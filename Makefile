@@ -39,6 +39,7 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/step_cost_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/write_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/restore_floor.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/tier_bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
