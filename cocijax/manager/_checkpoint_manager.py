@@ -341,12 +341,13 @@ class CheckpointManager:
         return self._directory
 
     @property
-    def roots(self) -> tuple[Path, ...]:
-        """The external storage roots (empty when the data lives in the step directories)."""
+    def roots(self) -> tuple[Path | storage.KvPath, ...]:
+        """The external storage roots (empty when the data lives in the step directories);
+        ``KvPath`` for object-store roots."""
         return self._roots
 
     @property
-    def stripe_roots(self) -> tuple[Path, ...]:
+    def stripe_roots(self) -> tuple[Path | storage.KvPath, ...]:
         """Where this directory's stripes go: one folder per root, private to this directory."""
         return self._stripe_roots
 
@@ -385,7 +386,6 @@ class CheckpointManager:
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""
-        self._check_open()
         return self._durable.steps() if self._durable is not None else []
 
     def _local_steps(self) -> list[int]:
@@ -717,7 +717,7 @@ class CheckpointManager:
             where = self._durable.root / str(step) / POLICY_ITEM
         try:
             data = self._restore_items(step, copy, {POLICY_ITEM: PolicyStateRestore()})[POLICY_ITEM]
-        except (ValueError, OSError, KeyError, RuntimeError) as e:
+        except (ValueError, OSError, KeyError, storage.CorruptCheckpointError) as e:
             self._warn_policy(f"the policy state of step {step} cannot be read ({e})")
             return
         if history:

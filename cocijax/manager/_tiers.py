@@ -214,7 +214,7 @@ class DurableTier:
             try:
                 if self._wait_for_local_commit(step):
                     self._drain(step)
-                    self.collect_garbage()
+                    self._collect_after_drain()
             except Exception as e:  # any failure is this step's: reported, training goes on
                 error = DurableTierError(
                     f"drain of step {step} to {self.root / str(step)} failed: {e}"
@@ -314,6 +314,13 @@ class DurableTier:
         self._thread = None
 
     # -- garbage collection and deletion ------------------------------------------------------
+
+    def _collect_after_drain(self) -> None:
+        # A failed collection is not the drained step's failure: said, and tried again later.
+        try:
+            self.collect_garbage()
+        except (ValueError, OSError) as e:
+            log.warning("%s: garbage collection failed (%s); will try again", self.url, e)
 
     def collect_garbage(self) -> None:
         """Deletes committed steps beyond ``max_to_keep`` (never the newest) and the prefixes of

@@ -249,3 +249,17 @@ def test_bad_tier_in_restore_is_named(tmp_path):
         with pytest.raises(ValueError, match="no durable tier"):
             mngr.restore(tier="durable")
         assert mngr.durable_steps() == []
+
+
+def test_durable_every_drains_every_kth_saved_step(tmp_path):
+    durable = (str(tmp_path / "durable"), None, None)
+    with _manager(tmp_path, durable, durable_every=2) as mngr:
+        for step in range(1, 6):
+            mngr.save(step, _state(step), loss=1.0)
+            mngr.wait_until_finished(durable=True)
+        assert mngr.durable_steps() == [2, 4]
+        assert mngr.all_steps() == [1, 2, 3, 4, 5]
+    # The next open drains the newest local step the durable tier lacks (5), whatever the count.
+    with _manager(tmp_path, durable, durable_every=2) as mngr:
+        mngr.wait_until_finished(durable=True)
+        assert mngr.durable_steps() == [2, 4, 5]
