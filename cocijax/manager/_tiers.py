@@ -147,16 +147,13 @@ class DurableTier:
     def refresh(self) -> list[int]:
         """Lists the committed steps on the durable tier (a LIST of its objects)."""
         try:
-            steps = set(self._scan()[0])
+            steps = set(scan(self.root)[0])
         except (ValueError, OSError) as e:
             log.warning("%s: cannot list the durable tier (%s); will try again", self.url, e)
             return sorted(self._steps or ())
         with self._cond:
             self._steps = steps
         return sorted(steps)
-
-    def _scan(self) -> tuple[list[int], list[int]]:
-        return scan(self.root)
 
     def steps(self) -> list[int]:
         """The steps committed on the durable tier, oldest first (as last listed or drained)."""
@@ -327,7 +324,7 @@ class DurableTier:
         drains that never committed (except the one in progress)."""
         if not self._writer:
             return
-        committed, incomplete = self._scan()
+        committed, incomplete = scan(self.root)
         with self._cond:
             busy = {self._draining, self._offered}
             self._steps = set(committed)

@@ -146,37 +146,34 @@ class KvPath:
             raise ValueError(f"{self.url}: TensorStore refuses the kvstore spec: {e}.") from e
         return spec
 
-    def open(self, context: ts.Context | None = None) -> ts.KvStore:
-        """Opens the kvstore at this prefix (keys are relative to it).
-
-        Without a ``context``, one shared context: its resources (connections, the credential
-        provider) are made once per process, not once per call.
-        """
-        return ts.KvStore.open(self.spec(), context=context or _shared_context()).result()
+    def open(self) -> ts.KvStore:
+        """Opens the kvstore at this prefix (keys are relative to it), in one context shared by
+        the process: its resources (connections, the credential provider) are made once."""
+        return ts.KvStore.open(self.spec(), context=_shared_context()).result()
 
     # Synchronous helpers for small objects (manifests, JSON items); pieces go through zarr3.
 
-    def read_bytes(self, context: ts.Context | None = None) -> bytes | None:
+    def read_bytes(self) -> bytes | None:
         """The object at this key, or ``None`` when it does not exist."""
         parent, name = self.split()
-        result = parent.open(context).read(name).result()
+        result = parent.open().read(name).result()
         return None if result.state == "missing" else bytes(result.value)
 
-    def read_text(self, context: ts.Context | None = None) -> str:
+    def read_text(self) -> str:
         """The object at this key as text (``Path.read_text``'s contract).
 
         Raises:
           FileNotFoundError: no object at this key.
         """
-        data = self.read_bytes(context)
+        data = self.read_bytes()
         if data is None:
             raise FileNotFoundError(f"no object at {self.url}")
         return data.decode()
 
-    def write_bytes(self, data: bytes, context: ts.Context | None = None) -> None:
+    def write_bytes(self, data: bytes) -> None:
         """Writes the object at this key (a whole object: it appears at once or not at all)."""
         parent, name = self.split()
-        parent.open(context).write(name, data).result()
+        parent.open().write(name, data).result()
 
     def split(self) -> tuple[KvPath, str]:
         head, _, name = self.key.rstrip("/").rpartition("/")
@@ -184,24 +181,24 @@ class KvPath:
             head = head or "/"
         return dataclasses.replace(self, key=head), name
 
-    def list(self, context: ts.Context | None = None) -> list[str]:
+    def list(self) -> list[str]:
         """Every key below this prefix, relative to it, sorted."""
         if self.driver == "file" and not pathlib.Path(self.key).is_dir():
             return []
-        keys = self.open(context).list().result()
+        keys = self.open().list().result()
         return sorted(k.decode() for k in keys)
 
-    def delete_all(self, context: ts.Context | None = None) -> None:
+    def delete_all(self) -> None:
         """Deletes every key below this prefix (for ``file``, the directory itself too)."""
         if self.driver == "file":
             shutil.rmtree(self.key, ignore_errors=True)
             return
-        self.open(context).delete_range(ts.KvStore.KeyRange()).result()
+        self.open().delete_range(ts.KvStore.KeyRange()).result()
 
-    def delete(self, context: ts.Context | None = None) -> None:
+    def delete(self) -> None:
         """Deletes the object at this key (no error when it does not exist)."""
         parent, name = self.split()
-        parent.open(context).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+        parent.open().delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
 
 
 @functools.cache
