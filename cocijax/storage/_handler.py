@@ -157,7 +157,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}.")
         self._roots: tuple[pathlib.Path | KvPath | None, ...] = tuple(resolved) or (None,)
-        self._root_options = dict(root_options or {})
+        self._root_options = root_options
         self._chunk_bytes = chunk_bytes
         self._piece_bytes = piece_bytes
         self._small_bytes = small_bytes
