@@ -299,6 +299,9 @@ def main() -> None:
             rows.append(
                 dict(curve=name, set=subset, scen=sname, **run_case(y, sc, args.trials, seed))
             )
+            # Each case builds new policies, each compiled anew: without dropping them, the
+            # compiled code of ~800 policies exceeds the process's memory maps and LLVM fails.
+            jax.clear_caches()
             r = rows[-1]
             console.print(
                 f"{name[:40]:40s} {subset:7s} {sname} capture {r['capture']:6.0%} "

@@ -64,7 +64,7 @@ from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
-from cocijax.manager._retention import BestN, check_metrics
+from cocijax.manager._retention import BestN, MetricsCheck
 from cocijax.manager._tiers import manager_root, open_durable, pin_steps
 
 __all__ = ["CheckpointManager"]
@@ -235,7 +235,7 @@ class CheckpointManager:
         options = orbax_options
         signals = check_signals(preemption_signals)
         self._metrics: dict[int, Any] = {}  # committed steps' metrics, read once (best_fn)
-        self._unranked_warned = False  # a save without metrics under best_fn is said once
+        self._check_metrics = MetricsCheck(self._best)  # a step without metrics: said once
         self._reached_preemption = False
         self._preempted_step: int | None = None
         self._read_only = options.read_only
@@ -500,7 +500,8 @@ class CheckpointManager:
         # 300 s for signals that never come, which also blocks interpreter exit.
         storage.check_tree(state)
         items = check_extra(extra, restoring=False)
-        metrics = self._check_metrics(step, metrics)
+        # Warns with the user's `save` call as its place (save -> _save -> here).
+        metrics = self._check_metrics(metrics, step=step, stacklevel=3)
         if metrics is not None:
             items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
         custom_metadata = _check_custom_metadata(custom_metadata)
@@ -536,25 +537,6 @@ class CheckpointManager:
                 self._latest_saved = step
         finally:
             ready.set()
-
-    def _check_metrics(self, step: int, metrics: Any) -> dict[str, Any] | None:
-        """``metrics`` as JSON scalars, checked against ``best_fn`` (said once when missing)."""
-        metrics = check_metrics(metrics)
-        if self._best is None:
-            return metrics
-        if metrics is None:
-            if not self._unranked_warned:
-                self._unranked_warned = True
-                warnings.warn(
-                    f"save: step {step} has no metrics, so best_fn cannot rank it; it is kept "
-                    f"only while it is one of the newest keep_latest={self._best.keep_latest} "
-                    "steps (said once per manager; pass metrics= with the saves to rank them).",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-        else:
-            self._best.score(metrics, step=step)  # a best_fn that fails does so before the save
-        return metrics
 
     def _apply_retention(self) -> None:
         """Deletes the committed steps best-N does not keep (every process, same decision)."""

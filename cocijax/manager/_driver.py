@@ -134,6 +134,9 @@ class PolicyDriver:
       save_final_step: with a policy that knows the job's length (``policy.total_steps``),
         decide "save" at that step whatever the policy says, so that a finished job keeps its
         final state.
+      broadcast: makes the measured inputs of every process equal before the policy sees them
+        (see :class:`cocijax.policies.Runner`); default: JAX's broadcast from process 0. The
+        PyTorch manager passes its process group's.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -153,10 +156,11 @@ class PolicyDriver:
         prior_mtbf_s: float = math.nan,
         cost_from_intervals: bool = False,
         save_final_step: bool = False,
+        broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
     ):
         check_policy(policy)
         self.policy = policy
-        self.runner = Runner(policy, broadcast=_broadcast_from_process_0)
+        self.runner = Runner(policy, broadcast=broadcast)
         self.runner.compile()  # now, so that no training step is charged for it
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import numpy as np
 
-__all__ = ["BestN", "check_metrics"]
+__all__ = ["BestN", "MetricsCheck", "check_metrics"]
 
 Metrics = Mapping[str, Any]
 
@@ -29,7 +30,7 @@ def check_metrics(metrics: Any) -> dict[str, int | float | bool] | None:
 
     Args:
       metrics: a mapping from names to scalars: Python or NumPy numbers, or one-element
-        jax/NumPy arrays (read here: call this only on a step that saves).
+        jax/NumPy arrays or torch tensors (read here: call this only on a step that saves).
 
     Returns:
       A new dict of Python ``bool``/``int``/``float``, or ``None``.
@@ -65,8 +66,10 @@ def _scalar(key: str, value: Any) -> int | float | bool:
     if isinstance(value, numbers.Real):
         return float(value)
     shape = getattr(value, "shape", None)
-    if shape is not None and math.prod(shape) == 1 and np.dtype(value.dtype).kind in "biuf":
-        return _scalar(key, np.asarray(value).reshape(()).item())  # a jax/NumPy array
+    if shape is not None and math.prod(shape) == 1 and callable(getattr(value, "item", None)):
+        item = value.item()  # a one-element jax/NumPy array or torch tensor
+        if isinstance(item, bool | numbers.Real):
+            return _scalar(key, item)
     raise TypeError(
         f"metrics[{key!r}]: expected a scalar number (Python, NumPy or a one-element array), "
         f"got {type(value).__name__}{'' if shape is None else f' of shape {tuple(shape)}'}."
@@ -153,3 +156,59 @@ class BestN:
         ranked.sort(key=lambda s: (sign * scores[s], -s))  # best first; ties: newer first
         keep.update(ranked if self.max_to_keep is None else ranked[: self.max_to_keep])
         return [s for s in steps if s not in keep]
+
+
+@final
+class MetricsCheck:
+    """The ``metrics`` of a step that saves, checked the same way by every manager.
+
+    Converts them with :func:`check_metrics`. With a :class:`BestN`, also runs its ``best_fn``
+    on them, so that a ``best_fn`` that cannot read them fails before anything is written, and
+    says once per manager (a ``RuntimeWarning``) that a step saved without metrics is not
+    ranked.
+
+    Args:
+      best: the manager's best-N retention, or ``None`` (metrics are then only recorded).
+
+    Example:
+      >>> check = MetricsCheck(BestN(lambda m: m["acc"], max_to_keep=2))
+      >>> check({"acc": 0.5}, step=1, stacklevel=2)
+      {'acc': 0.5}
+      >>> check({"loss": 0.5}, step=2, stacklevel=2)
+      Traceback (most recent call last):
+      ...
+      ValueError: best_fn failed on the metrics of step 2 ({'loss': 0.5}): KeyError: 'acc'; ...
+    """
+
+    def __init__(self, best: BestN | None):
+        self.best = best
+        self._unranked_said = False
+
+    def __call__(self, metrics: Any, *, step: int, stacklevel: int) -> dict[str, Any] | None:
+        """``metrics`` as JSON scalars (or ``None``).
+
+        Args:
+          metrics: the ``metrics`` argument of ``save``.
+          step: the step being saved (named in errors and the warning).
+          stacklevel: of the warning, counted from this call (so that it names the user's
+            ``save`` call).
+
+        Raises:
+          TypeError: as :func:`check_metrics`.
+          ValueError: as :meth:`BestN.score`.
+        """
+        metrics = check_metrics(metrics)
+        if self.best is None:
+            return metrics
+        if metrics is not None:
+            self.best.score(metrics, step=step)
+        elif not self._unranked_said:
+            self._unranked_said = True
+            warnings.warn(
+                f"save: step {step} has no metrics, so best_fn cannot rank it; it is kept "
+                f"only while it is one of the newest keep_latest={self.best.keep_latest} "
+                "steps (said once per manager; pass metrics= with the saves to rank them).",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return metrics

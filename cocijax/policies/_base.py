@@ -111,8 +111,8 @@ class Seen(NamedTuple):
     loss: Any
     step_time_s: Any
     checkpoint_cost_s: Any
-    mtbf_s: Any
-    recovery_s: Any
+    mtbf_s: Any = math.nan
+    recovery_s: Any = math.nan
 
 
 def make_policy(
@@ -128,17 +128,8 @@ def make_policy(
     ``total_steps`` is recorded on the policy (see :class:`Policy`).
     """
 
-    def update(
-        state,
-        *,
-        step,
-        loss,
-        step_time_s,
-        checkpoint_cost_s,
-        mtbf_s=math.nan,
-        recovery_s=math.nan,
-    ):
-        return rule(state, Seen(step, loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s))
+    def update(state, **inputs):  # the signature of UpdateFn; Seen checks the names
+        return rule(state, Seen(**inputs))
 
     return Policy(init, jax.jit(update), total_steps)
 

@@ -11,9 +11,11 @@ what a first-order rule does not: the end of the job, recovery time, and high fa
 
 How ``w`` is estimated, from the losses alone:
 
-* the progress rate is the per-step drop of the best-so-far envelope of an exponential moving
-  average of the loss, averaged over a span of ``h = max(3, N / 200)`` steps like the hindsight
-  weights of :func:`cocijax.sim.progress_weights` (with Adam-style warm-up bias correction);
+* the progress rate, with ``total_steps``, is the per-step drop of the best-so-far envelope of an
+  exponential moving average of the loss, averaged over a span of ``h = max(3, N / 200)`` steps
+  like the hindsight weights of :func:`cocijax.sim.progress_weights` (with Adam-style warm-up
+  bias correction); without it, the trend between two moving averages of the loss, which a noisy
+  minibatch loss does not fool (see ``_track``);
 * the job's mean rate is the drop so far plus the drop still to come, over ``N`` steps. The drop
   still to come is forecast from the current rate alone, as if it decayed like a power law
   ``k ** -(decay + 1)`` (the rate of ``L(k) = c + a k ** -decay``): ``rate * k * (1 - (k / N) **
@@ -26,7 +28,8 @@ How ``w`` is estimated, from the losses alone:
 ``horizon_range`` times the steps done so far: the weight used is the geometric middle of the two
 ends' weights, kept on Young's side of both (so that no end in the range makes the step's
 decision worse than Young's rule), and the plan is open-ended (it never skips a last save).
-Until ``min_points`` finite losses have been seen, ``w = 1`` (Young's rule).
+Until ``min_points`` finite losses have been seen (and, without ``total_steps``, until the two
+averages lag apart by a step), ``w = 1`` (Young's rule).
 ``w`` is clamped to ``[time_weight, max_weight]`` so that a bad estimate cannot gamble the
 wall-clock overhead away.
 
@@ -50,6 +53,8 @@ DEFAULT_PRIOR_RECOVERY_S = 60.0
 # Re-plan when the step time, save cost, failure rate or recovery cost is off by this much (in
 # log terms, ~20%) from the plan's.
 REPLAN_DRIFT = 0.2
+# Without total_steps the rate is the trend between averages of spans `span` and this many times it.
+SLOW_SPAN = 4.0
 
 
 class CociState(NamedTuple):
@@ -60,13 +65,14 @@ class CociState(NamedTuple):
     level: jnp.ndarray  # shape=(), float32, moving average of the loss (NaN before any)
     envelope: jnp.ndarray  # shape=(), float32, best-so-far of `level`
     start: jnp.ndarray  # shape=(), float32, mean of the first span + 1 losses
-    rate: jnp.ndarray  # shape=(), float32, moving average of the envelope's drop per step
+    rate: jnp.ndarray  # shape=(), float32, drop per step: envelope drops' average, or the trend
     exposure: jnp.ndarray  # shape=(), float32, weighted seconds of work since the last save
     weight: jnp.ndarray  # shape=(), float32, the w(t) of the last call (for inspection)
     plan: _horizon.Plan  # the forecast and the values of saving at its edges
     plan_step: jnp.ndarray  # shape=(), int32, step the plan was made at (0 before any)
     last_save: jnp.ndarray  # shape=(), int32, step of the last save (0 before any)
     rollback: jnp.ndarray  # shape=(), float32, cost to go from the last save
+    slow: jnp.ndarray  # shape=(), float32, slower moving average of the loss (NaN before any)
 
 
 def coci(
@@ -168,7 +174,7 @@ def coci(
         )
         return CociState(
             _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
-            empty, izero, izero, zero,
+            empty, izero, izero, zero, nan,
         )  # fmt: skip
 
     def forecast(w_now, k):
@@ -195,16 +201,15 @@ def coci(
         n_total = jnp.float32(total_steps) if known_end else jnp.float32(2.0**30)
         n_guess = n_total if known_end else jnp.maximum(math.sqrt(h_lo * h_hi) * k, k + 1.0)
         span = jnp.maximum(3.0, n_guess / 200.0)
-        alpha = 2.0 / (span + 1.0)
 
-        count, level, envelope, start, rate = _track(state, seen.loss, is_new, alpha, span)
-        warm = 1.0 - jnp.power(1.0 - alpha, count.astype(jnp.float32))
-        rate_hat = rate / jnp.maximum(warm, 1e-6)  # loss drop per step
+        count, level, slow, envelope, start, rate, rate_hat = _track(
+            state, seen.loss, is_new, span, trend=not known_end
+        )  # rate_hat: loss drop per step (NaN: not enough losses yet)
 
         def weight_if_ends_at(n_end):
             still = rate_hat * k * (1.0 - jnp.power(k / n_end, p)) / p
             mean_drop = ((start - envelope) + jnp.maximum(still, 0.0)) / n_end
-            ready = (count >= min_points) & (mean_drop > 0)
+            ready = (count >= min_points) & (mean_drop > 0) & (rate_hat >= 0)
             w = tw + (1.0 - tw) * rate_hat / jnp.where(ready, mean_drop, 1.0)
             return jnp.where(ready & jnp.isfinite(w), jnp.clip(w, tw, wmax), 1.0)
 
@@ -272,6 +277,7 @@ def coci(
             clock=_base.clock_saved(clock, save, seen.step, next_check),
             count=count,
             level=level,
+            slow=slow,
             envelope=envelope,
             start=start,
             rate=rate,
@@ -286,31 +292,58 @@ def coci(
     return _base.make_policy(init, rule, total_steps=total_steps)
 
 
-def _track(state: CociState, loss, is_new, alpha, span):
+def _track(state: CociState, loss, is_new, span, *, trend: bool):
     """Online estimates of the progress rate (module docstring), fed one loss.
 
+    Two estimators, chosen by whether the job's length is known:
+
+    * ``trend=False`` (``total_steps`` given): the moving average of the per-step drops of the
+      best-so-far envelope of the loss's moving average (span ``span``, warm-up corrected):
+      the causal twin of the hindsight weights of :func:`cocijax.sim.progress_weights`, whose
+      span ``N / 200`` is then known.
+    * ``trend=True``: the trend between two moving averages of the loss, spans ``span`` and
+      ``SLOW_SPAN * span``: for a loss falling ``r`` per step an average of span ``s`` lags
+      ``(s - 1) / 2`` steps behind, so ``r = (slow - fast) / (lag_slow - lag_fast)``. Without
+      ``total_steps`` the span grows with the guessed horizon, and on a noisy minibatch loss the
+      envelope's drops come in rare bursts (none for long stretches while the average hovers
+      above its best): measured on the project's own curves (``benchmarks/curves``), that left
+      ``w`` at ``time_weight`` through real progress and lost up to 33% to Young's rule, where
+      the trend averages the noise away. NaN until the averages lag apart by a step.
+
     Returns:
-      ``(count, level, envelope, start, rate)``, the new values of those state fields.
+      ``(count, level, slow, envelope, start, rate, rate_hat)``: the new values of those state
+      fields, and the loss drop per step they estimate.
     """
     loss = jnp.asarray(loss, jnp.float32)
     valid = jnp.isfinite(loss) & is_new
     y = jnp.where(valid, loss, 0.0)
     count = state.count + valid.astype(jnp.int32)
     n = count.astype(jnp.float32)
-    gain = jnp.maximum(alpha, 1.0 / jnp.maximum(n, 1.0))  # warm up as a plain mean
-    level = jnp.where(
-        valid, jnp.where(jnp.isnan(state.level), y, state.level + gain * (y - state.level)),
-        state.level,
-    )  # fmt: skip
+
+    def average(old, s):
+        """The moving average of span ``s`` (a plain mean at first) and its lag in steps."""
+        gain = jnp.maximum(2.0 / (s + 1.0), 1.0 / jnp.maximum(n, 1.0))
+        new = jnp.where(jnp.isnan(old), y, old + gain * (y - old))
+        return jnp.where(valid, new, old), 0.5 * (jnp.minimum(s, n) - 1.0)
+
+    level, lag_fast = average(state.level, span)
+    slow, lag_slow = average(state.slow, SLOW_SPAN * span)
     envelope = jnp.where(jnp.isnan(state.envelope), level, jnp.minimum(state.envelope, level))
     start = jnp.where(
         valid & (n <= span + 1.0),
         jnp.where(jnp.isnan(state.start), y, state.start + (y - state.start) / n),
         state.start,
     )
+    if trend:
+        lags = lag_slow - lag_fast
+        trend_now = jnp.maximum(slow - level, 0.0) / jnp.maximum(lags, 1.0)
+        rate = jnp.where(valid, jnp.where(lags >= 1.0, trend_now, jnp.nan), state.rate)
+        return count, level, slow, envelope, start, rate, rate
+    alpha = 2.0 / (span + 1.0)
     drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
     rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
-    return count, level, envelope, start, rate
+    warm = 1.0 - jnp.power(1.0 - alpha, n)
+    return count, level, slow, envelope, start, rate, rate / jnp.maximum(warm, 1e-6)
 
 
 def _between(w_lo, w_hi):

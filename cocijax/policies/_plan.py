@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cocijax.policies._base import Policy
+from cocijax.policies._base import Policy, Seen
 
 
 def plan(
@@ -111,16 +111,7 @@ def _scan(policy, steps, losses, step_times, costs, mtbfs, recoveries):
     update = _caller(policy)
 
     def body(state, x):
-        step, loss, step_time, cost, mtbf, recovery = x
-        save, state = update(
-            state,
-            step=step,
-            loss=loss,
-            step_time_s=step_time,
-            checkpoint_cost_s=cost,
-            mtbf_s=mtbf,
-            recovery_s=recovery,
-        )
+        save, state = update(state, **Seen(*x)._asdict())
         return state, jnp.asarray(save, bool)
 
     xs = (steps, losses, step_times, costs, mtbfs, recoveries)

@@ -1,12 +1,11 @@
-"""Preemption saves through real signals, the final step of a known-length job, forced saves'
-costs, and the policy warning said once (cj.CheckpointManager; real files, real signals)."""
+"""Preemption signals of cj.CheckpointManager, the final step of a known-length job, forced
+saves' costs, and the policy warning said once (real files, real signals). What both managers
+do alike (a SIGTERM save, a manager opened outside the main thread) is in test_contract.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import warnings
 
 import jax.numpy as jnp
@@ -17,44 +16,6 @@ from manager_helpers import recording  # pytest puts tests/ on sys.path
 import cocijax as cj
 
 STATE = {"w": jnp.arange(4.0)}
-
-
-@pytest.fixture
-def own_sigterm_handler():
-    """A handler of the test's own, so that a restored handler can be told from the default."""
-    seen: list[int] = []
-
-    def handler(signum, frame):
-        seen.append(signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    yield handler, seen
-    signal.signal(signal.SIGTERM, previous)
-
-
-def test_sigterm_saves_the_next_step_commits_and_gives_the_handler_back(
-    tmp_path, own_sigterm_handler
-):
-    handler, seen = own_sigterm_handler
-    never = cj.policies.fixed(10**6)
-    with cj.CheckpointManager(tmp_path, policy=never) as mngr:
-        assert signal.getsignal(signal.SIGTERM) != handler  # the manager's own while open
-        assert not mngr.save(1, STATE, loss=1.0)
-        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered by the kernel
-        assert not mngr.reached_preemption
-        assert mngr.save(2, STATE, loss=1.0)  # the policy says no; the preemption says save
-        assert mngr.reached_preemption
-        assert mngr.all_steps() == [2]  # committed before save returned: no wait needed
-        cost = json.loads((tmp_path / "2" / "policy" / "policy_state.json").read_text())["cost_s"]
-        assert cost == mngr.measurements.last_save_s > 0  # measured like any other save
-        # One preemption save only: the loop should stop, and if it does not, the policy rules.
-        assert not mngr.save(3, STATE, loss=1.0)
-        assert seen == []  # the manager took the signal, not the handler it replaced
-    assert signal.getsignal(signal.SIGTERM) is handler
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert seen == [signal.SIGTERM]
-    with cj.CheckpointManager(tmp_path, policy=never) as again:
-        assert again.latest_step() == 2 and not again.reached_preemption
 
 
 def test_other_signals_and_no_signals(tmp_path):
@@ -84,28 +45,6 @@ def test_other_signals_and_no_signals(tmp_path):
 def test_bad_preemption_signals_are_named(tmp_path, signals, error, match):
     with pytest.raises(error, match=f"preemption_signals: {match}"):
         cj.CheckpointManager(tmp_path, preemption_signals=signals)
-
-
-def test_outside_the_main_thread_a_warning_and_no_handler(tmp_path):
-    before = signal.getsignal(signal.SIGTERM)
-    caught: list[warnings.WarningMessage] = []
-    results: list[object] = []
-
-    def train():
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            with cj.CheckpointManager(tmp_path, policy=cj.policies.fixed(2)) as mngr:
-                results.extend(mngr.save(s, STATE, loss=1.0) for s in (1, 2))
-                results.append(signal.getsignal(signal.SIGTERM))
-        caught.extend(said)
-
-    thread = threading.Thread(target=train, name="trainer")
-    thread.start()
-    thread.join()
-    assert results == [False, True, before]  # it trains and saves; SIGTERM is left alone
-    (said,) = [w for w in caught if "main thread" in str(w.message)]
-    assert issubclass(said.category, RuntimeWarning)
-    assert "'trainer'" in str(said.message) and "preemption_signals=()" in str(said.message)
 
 
 def test_a_policy_that_knows_total_steps_saves_the_last_step(tmp_path):

@@ -61,22 +61,6 @@ def test_ranking_continues_after_reopening_and_stripes_of_dropped_steps_go(tmp_p
         assert stripes == referenced
 
 
-def test_steps_without_metrics_are_kept_only_as_newest_steps_said_once(tmp_path):
-    with (
-        pytest.warns(RuntimeWarning, match=r"step 2 has no metrics.*keep_latest=1") as said,
-        cj.CheckpointManager(
-            tmp_path, policy=cj.policies.fixed(1), best_fn=lambda m: m["acc"], max_to_keep=1
-        ) as mngr,
-    ):
-        mngr.save(1, {"w": jnp.ones(2)}, loss=1.0, metrics={"acc": 0.5})
-        for step in (2, 3, 4):
-            mngr.save(step, {"w": jnp.ones(2)}, loss=1.0)
-        mngr.wait_until_finished()
-        # Step 1 is the only ranked one; of the unranked, only the newest stays.
-        assert mngr.all_steps() == [1, 4]
-    assert len([w for w in said if "no metrics" in str(w.message)]) == 1
-
-
 def test_a_preemption_save_is_kept_even_when_no_newest_step_is(tmp_path):
     with cj.CheckpointManager(
         tmp_path,

@@ -1,0 +1,675 @@
+"""``cocijax.torch.CheckpointManager``: the same save policies drive a PyTorch training loop.
+
+It has the contract of ``cocijax.CheckpointManager``: call ``save(step, state, loss=loss)``
+after every training step and the policy decides whether this step is checkpointed. Data is
+written by ``torch.distributed.checkpoint`` (DCP) with ``async_save``: only the copy of the
+tensors to host memory blocks the loop; the write, the ``fsync`` and the atomic commit (a rename
+of a temporary directory, see ``_directory``) happen in the background.
+
+Under ``torchrun`` every rank opens its manager and calls ``save`` and ``restore``: DCP writes
+each rank's shards into the one step directory, every rank takes rank 0's decisions (its
+measured inputs are broadcast, see ``_ranks``), and rank 0 alone commits, deletes and holds the
+directory's lock, once every rank's writes are done.
+
+Retention and preemption are the JAX manager's, from the same modules: best-N by ``metrics``
+(``cocijax.manager._retention``, rank 0 deciding from the metrics in each step's
+``cocijax.json``) and preemption signals turned into one save (``cocijax.manager._preemption``,
+the ranks' flags gathered on the ``control`` group so that all save the same step).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, final
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from cocijax import policies as _policies
+from cocijax._validate import POSITIVE, check
+from cocijax.manager._contract import (
+    ManagerClosedError,
+    Measurements,
+    check_step,
+    check_step_order,
+)
+from cocijax.manager._driver import PolicyDriver, check_policy
+from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._lock import DirectoryLock
+from cocijax.manager._preemption import PreemptionWatcher, check_signals
+from cocijax.manager._retention import BestN, MetricsCheck
+from cocijax.torch._directory import (
+    METADATA_NAME,
+    TMP_PREFIX,
+    commit,
+    read_metadata,
+    remove,
+    remove_uncommitted,
+    scan_steps,
+)
+from cocijax.torch._ranks import Ranks
+from cocijax.torch._state import (
+    RESERVED,
+    check_extra,
+    from_state_dict,
+    load_extra,
+    loaded_rng,
+    own_entry,
+    rank_template,
+    set_rng_state,
+    to_state_dict,
+)
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+# DCP warns on every single-process save/load, even with no_dist=True, which is this module's
+# mode without a process group; the async save warns from a worker thread, where
+# catch_warnings cannot reach.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent",
+    category=UserWarning,
+)
+
+
+@final
+class CheckpointManager:
+    """Saves and restores PyTorch training state when a cocijax policy says so.
+
+    ``state`` is a dict of named objects, the same dict for ``save`` and ``restore``:
+
+    * ``torch.nn.Module``: saved with ``get_model_state_dict`` and loaded in place (a
+      ``fully_shard``/FSDP model as its shards, each rank its own);
+    * ``torch.optim.Optimizer``: saved with ``get_optimizer_state_dict`` (keyed by parameter
+      names, so a freshly built optimizer can be restored into) and loaded in place; its
+      parameters must belong to the modules in the same dict;
+    * anything else with ``state_dict``/``load_state_dict`` (LR schedulers, ``GradScaler``):
+      handled by DCP's ``Stateful`` protocol;
+    * tensors, numbers, strings and nested dicts of them: saved as they are; ``restore``
+      returns the loaded values.
+
+    ``extra`` (a dict of name -> object with ``state_dict``/``load_state_dict``, e.g. a
+    ``torchdata`` ``StatefulDataLoader``) is saved per rank, each rank's own object, and loaded
+    in place by ``restore(..., extra=...)``. The manager also saves each rank's RNG states of
+    ``torch`` (and CUDA when present), ``numpy`` and Python's ``random``, restored by
+    ``restore``; the key ``"cocijax"`` of ``state`` is reserved for them.
+
+    Step time is measured between ``save`` calls; checkpoint cost is the time ``save`` blocks
+    (host copy, plus waiting for the previous save when it is still being written). Both feed
+    the policy, with the loss, on every call. A policy that knows the job's ``total_steps``
+    saves the last step, so a finished job keeps its final state; otherwise pass ``force=True``
+    at the last step.
+
+    **Best N.** ``metrics`` given to ``save`` are recorded in the step's ``cocijax.json``
+    (rank 0's, with several ranks); with ``best_fn`` the ``max_to_keep`` best steps by them are
+    kept, and the ``keep_latest`` newest whatever their metrics, as in the JAX manager.
+
+    **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
+    (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
+    says, waits until it is committed, returns True and sets :attr:`reached_preemption`: leave
+    the loop then. With several ranks a signal to any one of them is enough: the ranks gather
+    their flags at the first step and then about once per second of rank 0's step time, and
+    all save at the first such step after the signal. The previous handlers are back after
+    :meth:`close`.
+
+    **Several ranks.** Initialise the process group (``torch.distributed.init_process_group``)
+    before opening the manager; then opening, ``save``, ``restore`` and ``close`` are
+    collective: every rank calls them, with the same steps and the same ``force``. The
+    checkpoint directory must be one every rank sees (a shared file system: DCP's files of all
+    ranks go into one step directory). The policy's inputs are rank 0's (broadcast before each
+    decision), so all ranks save at the same steps; rank 0 alone holds the directory's lock,
+    removes a crashed save's leftovers, commits a step once every rank has written it, and
+    deletes old steps; every rank restores its own shards, RNG states and extra items.
+
+    Args:
+      directory: where checkpoints live; created if missing.
+      policy: a ``cocijax.policies.Policy``; defaults to ``cocijax.policies.coci()``.
+      max_to_keep: keep only the newest this many committed steps (``None`` keeps all); with
+        ``best_fn``, this many of the best steps.
+      best_fn: ranks a step by its ``metrics`` (a dict -> a number): the ``max_to_keep`` best
+        steps are kept, and the ``keep_latest`` newest whatever their metrics. A step saved
+        without ``metrics`` is not ranked: it is kept only while it is one of the newest.
+      best_mode: ``"max"`` (default) or ``"min"``: whether larger ``best_fn`` values are better.
+      keep_latest: with ``best_fn``, the newest steps kept whatever their metrics (default 1;
+        0 ranks every step, the newest too).
+      preemption_signals: the signals that announce a preemption (default SIGTERM); ``()``
+        turns preemption saves off.
+      use_async: write in the background with ``dcp.async_save`` (default); ``False`` writes
+        and commits inside ``save``.
+      prior_mtbf_s: the MTBF the learned estimate starts from (as for the JAX manager).
+      clock: a monotonic clock in seconds; injectable so tests can replay step times.
+
+    Raises:
+      ValueError: when ``max_to_keep`` < 1, ``best_mode``/``keep_latest``/
+        ``preemption_signals`` are out of range, or ``directory`` holds checkpoints that were
+        not written by ``cocijax.torch``.
+      TypeError: when ``policy`` is not a policy, ``best_fn`` is not callable, or
+        ``preemption_signals`` is not a sequence of signals.
+      DirectoryLockedError: another manager has the directory open for writing.
+
+    Examples:
+      >>> import tempfile, torch, cocijax as cj, cocijax.torch as cjt
+      >>> model = torch.nn.Linear(4, 1)
+      >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+      >>> path, n = tempfile.mkdtemp(), 250
+      >>> with cjt.CheckpointManager(path, policy=cj.policies.fixed(100)) as mngr:
+      ...     state = {"model": model, "optimizer": opt}
+      ...     start = mngr.latest_step() or 0
+      ...     if start:
+      ...         _ = mngr.restore(target=state)
+      ...     for step in range(start + 1, n + 1):
+      ...         loss = model(torch.ones(4)).pow(2).sum()
+      ...         opt.zero_grad(); loss.backward(); opt.step()
+      ...         _ = mngr.save(step, state, loss=loss, force=step == n)
+      ...     mngr.wait_until_finished()
+      ...     mngr.all_steps()
+      [100, 200, 250]
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        policy: _policies.Policy | None = None,
+        max_to_keep: int | None = None,
+        best_fn: Callable[[Mapping[str, Any]], Any] | None = None,
+        best_mode: str = "max",
+        keep_latest: int = 1,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        use_async: bool = True,
+        prior_mtbf_s: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        age = process_age_s()
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        best = None
+        if best_fn is not None:
+            best = BestN(
+                best_fn, best_mode=best_mode, max_to_keep=max_to_keep, keep_latest=keep_latest
+            )
+        signals = check_signals(preemption_signals)
+        policy = _policies.coci() if policy is None else policy
+        check_policy(policy)
+        prior = _policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
+        prior = check("prior_mtbf_s", prior, POSITIVE)
+        self._dir = Path(directory)
+        self._ranks = Ranks()
+        self._dir_lock = DirectoryLock(self._dir)
+        try:
+            opened = self._ranks.lead(self._open_directory, group=self._ranks.control)
+        except BaseException:
+            self._dir_lock.release()
+            self._ranks.close()
+            raise
+        self._steps, self._session, latest = opened
+        self._history = RunHistory(
+            self._dir, clock=clock, writer=self._ranks.leader, opened_at_age_s=age
+        )
+        self._driver = PolicyDriver(
+            policy,
+            clock=clock,
+            history=self._history,
+            prior_mtbf_s=prior,
+            save_final_step=True,
+            broadcast=self._ranks.broadcast,
+        )
+        self._policy_warned = False
+        self._max_to_keep = max_to_keep
+        self._best = best
+        self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
+        self._metrics: dict[int, dict[str, Any] | None] = {}  # rank 0: read once from disk
+        self._preempted_step: int | None = None
+        self._reached_preemption = False
+        self._use_async = use_async
+        self._lock = threading.Lock()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "cocijax-torch-commit")
+        self._pending: concurrent.futures.Future | None = None
+        self._closed = False
+        self._history.adopt(None)
+        if latest is not None:
+            self._load_policy_state(latest, self._steps[-1], history=True)
+        # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
+        # a signal to its ranks one after the other (rank 0's broadcast would miss the others).
+        self._preemption = PreemptionWatcher(
+            signals,
+            owner=str(self._dir),
+            allgather=self._ranks.allgather if self._ranks.world > 1 else None,
+        )
+        self._preemption.install()
+
+    def _open_directory(self) -> tuple[list[int], str, dict | None]:
+        """Rank 0: locks the directory, removes leftovers, lists the steps."""
+        self._dir.mkdir(parents=True, exist_ok=True)
+        # Before anything is cleaned up: a second writer would remove the first's save in flight.
+        self._dir_lock.acquire()
+        remove_uncommitted(self._dir)
+        steps = scan_steps(self._dir)
+        latest = read_metadata(self._dir, steps[-1]) if steps else None
+        # Names this run's temporary directories, the same on every rank.
+        return steps, uuid.uuid4().hex[:12], latest
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        return self._dir
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without a process group)."""
+        return self._ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks saving together (1 without a process group)."""
+        return self._ranks.world
+
+    @property
+    def policy_state(self) -> Any:
+        """The policy state after the latest ``save`` call (a pytree); collective with ranks."""
+        return self._driver.state
+
+    @property
+    def measurements(self) -> Measurements:
+        """The inputs of the policy's last decision, as for ``cocijax.CheckpointManager``.
+
+        Unlike the JAX manager, the loss is this step's own (read at once, not one step late).
+        With several ranks these are this rank's measurements; the policy was given rank 0's.
+        """
+        return self._driver.measurements()
+
+    @property
+    def reached_preemption(self) -> bool:
+        """A preemption signal arrived and its step has been saved and committed: stop now."""
+        return self._reached_preemption
+
+    @property
+    def checkpoint_cost_s(self) -> float:
+        """The latest measured stall of a save in seconds (NaN before the first save)."""
+        return self._driver.cost_s
+
+    def all_steps(self) -> list[int]:
+        """Saved steps, oldest first, including one still being written."""
+        with self._lock:
+            return list(self._steps)
+
+    def latest_step(self) -> int | None:
+        """The newest saved step (possibly still being written), or ``None``."""
+        with self._lock:
+            return self._steps[-1] if self._steps else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The ``metrics`` saved with ``step`` (rank 0's), or ``None`` without; waits for a save
+        in flight.
+
+        Raises:
+          FileNotFoundError: ``step`` is not a committed step.
+        """
+        self.wait_until_finished()
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self._dir}; have {self.all_steps()}"
+            )
+        return read_metadata(self._dir, step).get("metrics")
+
+    # -------------------------------------------------------------------------------- save
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        loss: Any,
+        force: bool = False,
+        extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Reports a finished training step; checkpoints it when the policy says so.
+
+        After a preemption signal, the step is saved whatever the policy says, and ``save``
+        returns only once it is committed (see the class docstring).
+
+        Args:
+          step: the number of completed training steps (1-based), larger than every saved step.
+          state: the named objects to save (see the class docstring).
+          loss: this step's training loss (a float or a 0-d tensor; NaN/inf are passed on and
+            ignored by the policies). A tensor is read with ``float``, which waits for it.
+          force: save whatever the policy decides (e.g. the last step of a job whose policy
+            does not know ``total_steps``). The policy is still called, so its state keeps
+            counting steps. With several ranks, the same on all.
+          extra: further objects with ``state_dict``/``load_state_dict`` saved with the step,
+            per rank (e.g. ``{"loader": stateful_dataloader}``); looked at only when this step
+            is saved, so passing them at every call costs nothing.
+          metrics: scalars recorded with the step (numbers or one-element tensors; rank 0's
+            with several ranks); ``best_fn`` ranks the steps by them. Looked at only when this
+            step is saved.
+
+        Returns:
+          True when this step is being saved (a preemption save: has been committed).
+
+        Raises:
+          ValueError: when ``step`` is not larger than the latest saved step or the previous
+            call's, ``loss`` has several elements, ``state`` uses the reserved key
+            ``"cocijax"``, ``extra`` a reserved name (``state``, ``policy``), or ``best_fn``
+            fails on ``metrics``.
+          TypeError: when ``step`` is not an int, ``loss`` is not a number, an ``extra``
+            object lacks ``state_dict``/``load_state_dict`` (naming its key), or ``metrics``
+            holds a non-scalar (naming its key).
+        """
+        self._check_open()
+        step = _as_step(step)
+        check_step_order(step, self.latest_step(), self._driver.step, self._dir)
+        if RESERVED in state:
+            raise ValueError(f"state key {RESERVED!r} is reserved by cocijax.torch")
+        loss = _as_float(loss)
+        saved = self._driver.decide(step, loss=loss) or force
+        # One attribute test per step, unless the ranks gather their flags at agreed steps.
+        preempted = (self._preemption.polled or self._preemption.signal is not None) and (
+            self._preemption.due(step, self._driver.step_time_s)
+        )
+        if not (saved or preempted):
+            return False
+        if preempted:
+            self._preempted_step = step  # what the job resumes from: retention keeps it
+        self._save(step, state, loss, extra, metrics)
+        if preempted:
+            self.wait_until_finished()
+            self._reached_preemption = True
+            log.info("%s: preemption signal: step %d saved and committed", self._dir, step)
+        return True
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], loss: float, extra: Any, metrics: Any
+    ) -> None:
+        tmp = self._dir / f"{TMP_PREFIX}{step}-{self._session}"
+        control, writes = self._ranks.control, self._ranks.writes
+
+        def stage() -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+            objects = check_extra(extra)
+            # Warns with the user's call as its place (save -> _save -> agree -> stage -> here).
+            recorded = self._check_metrics(metrics, step=step, stacklevel=5)
+            own = own_entry(step, self.rank, objects)
+            return {**to_state_dict(state), RESERVED: own}, sorted(objects), recorded
+
+        try:
+            # The stall this save costs the loop: waiting for the previous save plus staging.
+            with self._driver.saving():
+                self._wait_pending()
+                with self._lock:
+                    self._steps.append(step)
+                # One rank's failure here (bad input, a state_dict that raises) stops every
+                # rank before any of them starts DCP's collective write.
+                state_dict, names, recorded = self._ranks.agree(stage, group=control)
+                snapshot = self._driver.snapshot(loss)
+                if self._use_async:
+                    write = dcp.async_save(
+                        state_dict, checkpoint_id=tmp, **self._ranks.dcp_args(writes)
+                    )
+                else:
+                    dcp.save(state_dict, checkpoint_id=tmp, **self._ranks.dcp_args(writes))
+                    write = None
+            meta = {"world_size": self._ranks.world, "extra": names, "metrics": recorded}
+            if write is None:
+                self._commit(step, tmp, meta, snapshot, None)
+            else:
+                self._pending = self._executor.submit(
+                    self._commit, step, tmp, meta, snapshot, write
+                )
+        except BaseException:
+            self._abandon(step, tmp)
+            raise
+
+    def _commit(self, step: int, tmp: Path, meta: dict, snapshot: dict, write: Any) -> None:
+        """Waits for every rank's DCP write, then rank 0 publishes ``tmp`` as ``<step>``."""
+        writes = self._ranks.writes
+        try:
+            if write is not None:
+                self._ranks.agree(lambda: _dcp_result(write, step, tmp), group=writes)
+
+            def publish() -> None:
+                policy = self._driver.to_json(snapshot, cost_s=self._driver.cost_s)
+                commit(self._dir, tmp, step, {**meta, "policy": policy})
+
+            self._ranks.lead(publish, group=writes)
+        except BaseException:
+            self._abandon(step, tmp)
+            raise
+        self._retire()
+
+    def _abandon(self, step: int, tmp: Path) -> None:
+        """Forgets a save that failed (on every rank) and removes what it wrote (rank 0)."""
+        with self._lock:
+            if step in self._steps:
+                self._steps.remove(step)
+        if self._ranks.leader:
+            remove(tmp)
+
+    def _retire(self) -> None:
+        """Drops the steps that retention no longer keeps: rank 0 decides and deletes them."""
+        if self._best is None and self._max_to_keep is None:
+            return  # everything is kept: no collective needed
+        doomed = self._ranks.lead(self._doomed, group=self._ranks.writes)
+        with self._lock:
+            self._steps = [s for s in self._steps if s not in doomed]
+        if self._ranks.leader:
+            for s in doomed:
+                remove(self._dir / str(s))
+
+    def _doomed(self) -> list[int]:
+        """Rank 0: the committed steps retention drops (the oldest beyond ``max_to_keep``, or
+        those best-N does not keep, ranked by the metrics in their ``cocijax.json``)."""
+        steps = self.all_steps()
+        if self._best is None:
+            if self._max_to_keep is None:
+                return []
+            return steps[: max(len(steps) - self._max_to_keep, 0)]
+        for s in steps:
+            if s not in self._metrics:
+                self._metrics[s] = read_metadata(self._dir, s).get("metrics")
+        doomed = self._best.to_delete({s: self._metrics[s] for s in steps})
+        # Even with keep_latest=0 the preemption save stays: the job resumes from it.
+        doomed = [s for s in doomed if s != self._preempted_step]
+        for s in doomed:
+            del self._metrics[s]
+        return doomed
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight (if any) is committed; re-raises its error."""
+        self._wait_pending()
+
+    # ----------------------------------------------------------------------------- restore
+    def restore(
+        self,
+        step: int | None = None,
+        target: Mapping[str, Any] | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Loads a checkpoint into ``target`` in place, with the RNG and policy states.
+
+        Args:
+          step: the step to restore; defaults to the latest.
+          target: the same kind of dict that was passed to ``save`` (modules, optimizers and
+            stateful objects are loaded in place; tensors are filled in place).
+          extra: objects saved as ``extra`` (the same names), loaded in place, each rank its
+            own.
+
+        Returns:
+          ``target`` as a new dict whose plain (non-stateful) values are the loaded ones; with
+          ``extra``, the pair ``(that dict, extra)``.
+
+        Raises:
+          FileNotFoundError: when there is no checkpoint (at ``step``).
+          ValueError: when ``target`` is missing or asks for keys the checkpoint lacks, when
+            ``extra`` names an item the step does not have or the step was saved by another
+            number of ranks (extra items are per rank).
+          TypeError: when an ``extra`` object lacks ``state_dict``/``load_state_dict``.
+        """
+        self._check_open()
+        self.wait_until_finished()
+        if target is None:
+            raise ValueError(
+                "target is required: pass the dict given to save, e.g. "
+                "{'model': model, 'optimizer': optimizer}"
+            )
+        objects = check_extra(extra)
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint to restore in {self._dir}")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self._dir}; have {steps}")
+        path = self._dir / str(step)
+        control = self._ranks.control
+        meta = self._ranks.lead(lambda: read_metadata(self._dir, step), group=control)
+        same_ranks = self._check_restorable(meta, step, objects)
+        state_dict = to_state_dict(target)
+        state_dict[RESERVED] = rank_template(meta["format"], self.rank, objects, rng=same_ranks)
+        try:
+            dcp.load(state_dict, checkpoint_id=path, **self._ranks.dcp_args(control))
+        except (Exception, CheckpointException) as e:
+            raise ValueError(f"cannot restore step {step} from {path}: {_dcp_message(e)}") from e
+        out = from_state_dict(target, state_dict)
+        rng = loaded_rng(state_dict[RESERVED], self.rank)
+        if rng is not None:
+            set_rng_state(rng)
+        if objects:
+            load_extra(state_dict[RESERVED], self.rank, objects, step)
+        self._load_policy_state(meta, step)
+        self._driver.restart_timing()
+        self._history.restored()
+        return out if extra is None else (out, extra)
+
+    def _check_restorable(self, meta: dict, step: int, objects: Mapping[str, Any]) -> bool:
+        """Whether the step was saved by as many ranks as this job has; raises for extras."""
+        saved_extra = meta.get("extra", [])
+        missing = sorted(set(objects) - set(saved_extra))
+        if missing:
+            raise ValueError(
+                f"restore: step {step} in {self._dir} has no extra item {missing[0]!r} "
+                f"(it has {saved_extra})"
+            )
+        saved_world = int(meta.get("world_size", 1))
+        if saved_world == self._ranks.world:
+            return True
+        if objects:
+            raise ValueError(
+                f"restore: extra items are per rank, and step {step} in {self._dir} was saved "
+                f"by {saved_world} ranks, this job has {self._ranks.world}; restore without "
+                "extra (the state itself reshards)"
+            )
+        warnings.warn(
+            f"step {step} in {self._dir} was saved by {saved_world} ranks, this job has "
+            f"{self._ranks.world}: the state is resharded, the RNG states are not restored",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+    # ----------------------------------------------------------------------------- helpers
+    def _load_policy_state(self, meta: dict, step: int, *, history: bool = False) -> None:
+        if history:
+            self._driver.load_history(meta.get("policy"))
+        try:
+            self._driver.load_json(
+                meta.get("policy"), where=str(self._dir / str(step) / METADATA_NAME)
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            # A different policy than at save time: its schedule cannot continue. Said once.
+            if not self._policy_warned:
+                self._policy_warned = True
+                warnings.warn(
+                    f"{e}; this manager's policy starts its schedule fresh.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(f"CheckpointManager for {self._dir} is closed.")
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the background thread and the lock."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._closed = True
+            self._preemption.uninstall()
+            self._history.close()
+            self._dir_lock.release()
+            self._ranks.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __del__(self):
+        # A manager dropped without close() must not keep the directory locked; at interpreter
+        # exit the modules used here may already be gone, hence the broad guard.
+        try:  # noqa: SIM105
+            self._dir_lock.release()
+        except Exception:
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------- helpers
+def _dcp_result(write: concurrent.futures.Future, step: int, tmp: Path) -> None:
+    """Waits for a DCP ``async_save``; its error as an ordinary ``RuntimeError``."""
+    try:
+        write.result()
+    except CheckpointException as e:
+        # DCP's error is a BaseException carrying per-rank tracebacks: make it ordinary.
+        raise RuntimeError(f"saving step {step} to {tmp} failed: {_dcp_message(e)}") from e
+
+
+def _dcp_message(e: BaseException) -> str:
+    """The underlying errors of a DCP ``CheckpointException`` (without its tracebacks)."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(str(exc) for exc, _ in e.failures.values())
+    return str(e)
+
+
+def _as_step(step: Any) -> int:
+    """:func:`check_step`, which also takes a one-element integer tensor."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    return check_step(step)
+
+
+def _as_float(loss: Any) -> float:
+    if isinstance(loss, bool) or loss is None:
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}")
+    if isinstance(loss, torch.Tensor | np.ndarray):
+        if loss.size == 1 if isinstance(loss, np.ndarray) else loss.numel() == 1:
+            return float(loss.item())
+        raise ValueError(
+            f"loss must have one element, got shape {tuple(loss.shape)}; pass the step's mean loss"
+        )
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}") from None

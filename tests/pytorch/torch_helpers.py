@@ -1,0 +1,55 @@
+"""What the PyTorch tests share: a scripted clock and the policy replayed on known inputs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class ManualClock:
+    """A clock that moves only when told, so measured step times and costs are exact."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SlowStaging:
+    """A stateful entry whose ``state_dict`` (called while ``save`` blocks) takes ``cost_s``."""
+
+    def __init__(self, clock: ManualClock, cost_s: float):
+        self.clock, self.cost_s, self.value = clock, cost_s, 0
+
+    def state_dict(self):
+        self.clock.t += self.cost_s
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["value"]
+
+
+def replay(policy: Any, step_times, losses, cost_s: float, n: int) -> tuple[list[bool], Any]:
+    """The JAX policy run directly on the inputs a manager must have measured.
+
+    Step 1 is not timed (it includes compilation, like the JAX manager's first step); every
+    save costs ``cost_s``.
+    """
+    update = jax.jit(policy.update)
+    state, cost, saves = policy.init(), math.nan, []
+    for s in range(1, n + 1):
+        save, state = update(
+            state,
+            step=np.int32(s),
+            loss=np.float32(losses[s - 1]),
+            step_time_s=np.float32(step_times[s - 1] if s > 1 else math.nan),
+            checkpoint_cost_s=np.float32(cost),
+        )
+        saves.append(bool(save))
+        if save:
+            cost = cost_s
+    return saves, state
