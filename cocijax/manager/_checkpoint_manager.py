@@ -762,10 +762,13 @@ class CheckpointManager:
         self.orbax.wait_until_finished()
         self._settle()
         self.orbax.check_for_errors()
-        self._apply_retention()
-        self._collect_garbage()
-        if durable and self._durable is not None:
-            self._durable.wait(raise_errors=True)
+        try:
+            if durable and self._durable is not None:
+                self._durable.wait(raise_errors=True)
+        finally:
+            # After the drains: best-N no longer keeps the steps they pinned.
+            self._apply_retention()
+            self._collect_garbage()
 
     def _settle(self) -> None:
         """Tells the drain that no local save is in flight (the manager waited for it)."""

@@ -145,12 +145,24 @@ class DurableTier:
             self.offer(local_newest, force=True)
 
     def refresh(self) -> list[int]:
-        """Lists the committed steps on the durable tier (a LIST of its objects)."""
+        """Lists the committed steps on the durable tier (a LIST of its objects).
+
+        A tier that cannot be listed (after TensorStore's retries) counts as empty until the
+        next listing succeeds (after the next drain), so that callers do not wait for the
+        retries again at every call.
+        """
         try:
             steps = set(scan(self.root)[0])
         except (ValueError, OSError) as e:
-            log.warning("%s: cannot list the durable tier (%s); will try again", self.url, e)
-            return sorted(self._steps or ())
+            log.warning(
+                "%s: cannot list the durable tier (%s); listed again after the next drain",
+                self.url,
+                e,
+            )
+            with self._cond:
+                if self._steps is None:
+                    self._steps = set()
+                return sorted(self._steps)
         with self._cond:
             self._steps = steps
         return sorted(steps)

@@ -481,7 +481,8 @@ def _check_writable_object_store(path: KvPath, name: str) -> None:
     # it, not at the first save (a wrong endpoint, bucket or credentials).
     probe = path / f".cocijax-probe-{uuid.uuid4().hex}"
     try:
-        probe.write_bytes(b"")
+        # Not empty: a GCS emulator (gcp-storage-emulator) fails an empty media upload.
+        probe.write_bytes(b"cocijax")
         probe.delete()
     except (ValueError, OSError) as e:  # TensorStore raises ValueError for I/O failures
         raise ValueError(f"{name}={path.url!r} cannot be written: {e}.") from e

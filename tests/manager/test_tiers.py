@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import signal
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,11 +36,14 @@ def _same(a: dict, b: dict) -> bool:
     )
 
 
-@pytest.fixture(params=["s3", "path"])
+@pytest.fixture(params=["s3", "gs", "path"])
 def durable(request, tmp_path):
-    """``(durable, durable_options, bucket or None)``: an S3 prefix on moto, or a plain path."""
+    """``(durable, durable_options, S3 bucket or None)``: an S3 prefix on moto, a GCS prefix on
+    the GCS emulator, or a plain path."""
     if request.param == "path":
         return str(tmp_path / "durable"), None, None
+    if request.param == "gs":
+        return request.getfixturevalue("gcs").url("run42"), None, None
     s3 = request.getfixturevalue("s3")
     return s3.url("run42"), s3.options, s3
 
@@ -46,9 +51,9 @@ def durable(request, tmp_path):
 def _manager(tmp_path, durable, **kwargs):
     where, options, _ = durable
     kwargs.setdefault("roots", [tmp_path / "nvme0", tmp_path / "nvme1"])
+    kwargs.setdefault("policy", cj.policies.fixed(1))
     return cj.CheckpointManager(
         tmp_path / "ckpt",
-        policy=cj.policies.fixed(1),
         durable=where,
         durable_options=options,
         **kwargs,
@@ -128,6 +133,39 @@ def test_while_a_drain_runs_only_the_newest_committed_step_is_drained_next(tmp_p
     assert local[-1] == saved[-1] and len(local) <= 3
 
 
+def test_best_n_retention_deletes_a_step_locally_only_after_its_drain(tmp_path, s3):
+    durable = (s3.url("run"), s3.options, s3)
+    saved = list(range(1, 7))
+    n = 4 << 20  # 16 MiB a step: best-N wants each new step gone while its drain still runs
+    best = {"best_fn": lambda m: m["acc"], "max_to_keep": 1, "keep_latest": 0}
+    with _manager(tmp_path, durable, **best) as mngr:
+        for step in saved:
+            mngr.save(step, _state(step, n=n), loss=1.0, metrics={"acc": 1 / step})
+        mngr.wait_until_finished(durable=True)  # a drain whose local copy went would raise
+        drained = mngr.durable_steps()
+        skipped = list(mngr._durable.skipped)
+        assert mngr._local_steps() == [1]  # the best; the others left once drained or skipped
+        assert drained[-1] == saved[-1] and sorted(drained + skipped) == saved
+        assert _same(mngr.restore(), _state(saved[-1], n=n))  # only on the durable tier now
+        assert mngr.restored_step == saved[-1]
+
+
+def test_a_preemption_save_is_drained_whatever_durable_every(tmp_path, s3):
+    durable = (s3.url("run"), s3.options, s3)
+    policy = cj.policies.fixed(10**6)
+    with _manager(tmp_path, durable, policy=policy, durable_every=100) as mngr:
+        assert mngr.save(1, _state(1), loss=1.0, force=True)  # the 1st of 100: not drained
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mngr.save(2, _state(2), loss=1.0) and mngr.reached_preemption
+    # close() returned after the preemption save's drain.
+    assert f"run/2/state/{storage.MANIFEST_NAME}" in s3.keys("run/2/")
+    assert not s3.keys("run/1/")
+    for name in ("ckpt", "nvme0", "nvme1"):
+        shutil.rmtree(tmp_path / name)
+    with _manager(tmp_path, durable) as mngr:
+        assert mngr.all_steps() == [2] and _same(mngr.restore(), _state(2))
+
+
 def test_fallback_skips_a_damaged_copy_on_either_tier(tmp_path, s3):
     durable = (s3.url("run"), s3.options, s3)
     with _manager(tmp_path, durable) as mngr:
@@ -194,6 +232,9 @@ def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(tmp
             mngr.wait_until_finished(durable=True)
         assert mngr.durable_steps() == []
         assert _same(mngr.restore(), _state(2))
+    # The listing at opening failed once; later calls did not wait for the retries again.
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("cannot list the durable tier" in m for m in warned) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     drained = [m for m in errors if m.startswith("drain of step")]
     steps = [m.split()[3] for m in drained]
