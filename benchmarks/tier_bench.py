@@ -15,7 +15,9 @@ fresh subprocess, repeated ``--repeat`` times and interleaved (case order rotate
 
 Each manager case times ``save`` (blocking), ``wait_until_finished()`` (local commit) and, with a
 durable tier, ``wait_until_finished(durable=True)`` (durable), all from the start of ``save``,
-plus the drain time the manager reports (``measurements.drain_s``). Orbax cannot write
+plus the drain time the manager reports (``measurements.drain_s``). Then it saves two more steps
+back to back and times the second one's blocking and local commit: with a durable tier that
+save runs while the step before it drains (what training sees during a drain). Orbax cannot write
 ``s3://`` at all: the script asks it to and prints its error.
 
 Run: ``python benchmarks/tier_bench.py [--quick] [--dir DIR] [--repeat N] [--write]``. Prints a
@@ -88,17 +90,32 @@ def _manager_case(case: dict, tree) -> dict:
     with manager("warm", **warm) as mngr:
         mngr.save(1, {"w": tree["w00"][:8]}, loss=1.0)
         mngr.wait_until_finished(durable=True)
-    with manager("ckpt", **kwargs) as mngr:
+
+    def save(mngr, step: int) -> tuple[float, float]:
+        """Blocking time and local commit of one save, both from the start of ``save``."""
         start = time.perf_counter()
-        mngr.save(1, tree, loss=1.0)
+        mngr.save(step, tree, loss=1.0)
         blocking = time.perf_counter() - start
         mngr.wait_until_finished()
-        commit = time.perf_counter() - start
+        return blocking, time.perf_counter() - start
+
+    # The durable tier keeps one step: the server holds at most two trees at once.
+    if kwargs:
+        kwargs["durable_max_to_keep"] = 1
+    with manager("ckpt", **kwargs) as mngr:
+        # Step 1 on an idle machine: blocking, local commit and time until durable.
+        start = time.perf_counter()
+        blocking, commit = save(mngr, 1)
         out = {"blocking": blocking, "commit": commit}
         if kwargs:
             mngr.wait_until_finished(durable=True)
             out["durable"] = time.perf_counter() - start
             out["drain"] = mngr.measurements.drain_s
+        # Steps 2 and 3 back to back: step 3 is saved while step 2 drains (training goes on
+        # during a drain); without a durable tier the same two saves.
+        save(mngr, 2)
+        out["blocking_busy"], out["commit_busy"] = save(mngr, 3)
+        mngr.wait_until_finished(durable=True)
     return out
 
 
@@ -287,7 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     upload_gibs = gib / res["upload"]["upload"]
 
     table = Table(title=f"tier_bench ({gib:.3g} GiB tree, medians of {repeat})")
-    for col in ("case", "blocking s", "local commit s", "durable s", "drain s", "drain GiB/s"):
+    columns = (
+        "case",
+        "blocking s",
+        "local commit s",
+        "blocking s, during a drain",
+        "local commit s, during a drain",
+        "durable s",
+        "drain s",
+        "drain GiB/s",
+    )
+    for col in columns:
         table.add_column(col, justify="left" if col == "case" else "right")
     rows = []
     for name in ("single", "s3", "path", "orbax"):
@@ -303,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 }[name],
                 f"{m['blocking']:.3f}",
                 f"{m['commit']:.3f}",
+                f"{m['blocking_busy']:.3f}" if "blocking_busy" in m else "",
+                f"{m['commit_busy']:.3f}" if "commit_busy" in m else "",
                 f"{m['durable']:.3f}" if "durable" in m else "",
                 f"{drain:.3f}" if drain is not None else "",
                 f"{gib / drain:.3f}" if drain is not None else "",
@@ -311,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         [
             "limit: TensorStore upload to s3:// alone",
+            "",
+            "",
             "",
             "",
             f"{res['upload']['upload']:.3f}",
@@ -326,12 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         + _verdict(s3["blocking"] / single["blocking"], 1.10, "<="),
         "local commit, two tiers / one tier: "
         + _verdict(s3["commit"] / single["commit"], 1.10, "<="),
+        "blocking during a drain, two tiers / one tier: "
+        + _verdict(s3["blocking_busy"] / single["blocking_busy"], 1.10, "<="),
+        "local commit during a drain, two tiers / one tier: "
+        + _verdict(s3["commit_busy"] / single["commit_busy"], 1.10, "<="),
         "drain throughput / TensorStore upload: "
         + _verdict((gib / s3["drain"]) / upload_gibs, 0.8, ">="),
         "save to durable / (local commit + upload limit): "
         + _verdict(s3["durable"] / (s3["commit"] + res["upload"]["upload"]), 1.10, "<="),
     ]
-    console = Console(width=140)
+    console = Console(width=190)
     console.print(table)
     for line in targets:
         console.print(line, markup=False)
