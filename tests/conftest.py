@@ -10,6 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,6 +26,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """Sets environment variables for a session fixture; puts the old values back after."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in variables.items():
+            patch.setenv(name, value)
+        yield
 
 
 @dataclasses.dataclass
@@ -92,23 +102,17 @@ def s3_server(tmp_path_factory):
         "AWS_CONFIG_FILE": str(empty),
         "AWS_SHARED_CREDENTIALS_FILE": str(empty),
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    try:
-        yield endpoint, client
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _environment(env):
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        try:
+            yield endpoint, client
+        finally:
+            server.stop()
 
 
 @pytest.fixture
@@ -193,17 +197,11 @@ def gcs_server():
         "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}",
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "cocijax-test",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield env["TENSORSTORE_GCS_HTTP_URL"]
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _environment(env):
+        try:
+            yield env["TENSORSTORE_GCS_HTTP_URL"]
+        finally:
+            server.stop()
 
 
 @pytest.fixture
