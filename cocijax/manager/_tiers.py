@@ -257,16 +257,16 @@ class DurableTier:
         dest = self.root / str(step)
         if dest.list():  # an earlier, interrupted drain: never committed, so start afresh
             dest.delete_all()
-        files = []
+        others = {}
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source)
             if rel.parts[0] == STATE_ITEM and (
                 rel.parts[1].startswith(storage.STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
             ):
                 continue  # the state's pieces and manifest: copy_item's, manifest last
-            data = path.read_bytes()
-            (dest / rel.as_posix()).write_bytes(data)
-            files.append({"path": rel.as_posix(), "size": len(data), "xxh3_64": _digest(data)})
+            others[rel.as_posix()] = path.read_bytes()
+        dest.write_many(others)
+        files = [{"path": k, "size": len(v), "xxh3_64": _digest(v)} for k, v in others.items()]
         copied = storage.copy_item(
             source / STATE_ITEM,
             dest / STATE_ITEM,
@@ -450,9 +450,10 @@ def step_files(prefix: storage.KvPath) -> list[tuple[str, bytes | None, storage.
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
         return [(STEP_FILES, None, storage.Problem("", str(record_path), f"{record_path}: {e}"))]
     out = []
+    datas = prefix.read_many([entry["path"] for entry in files])
     for entry in files:
         where = prefix / entry["path"]
-        data = where.read_bytes()
+        data = datas[entry["path"]]
         problem = None
         if data is None or len(data) != entry["size"] or _digest(data) != entry["xxh3_64"]:
             found = "missing" if data is None else f"{len(data)} bytes, xxh3_64 {_digest(data)}"

@@ -19,7 +19,7 @@ import pathlib
 import re
 import shutil
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -174,6 +174,22 @@ class KvPath:
         """Writes the object at this key (a whole object: it appears at once or not at all)."""
         parent, name = self.split()
         parent.open().write(name, data).result()
+
+    def write_many(self, objects: Mapping[str, bytes]) -> None:
+        """Writes objects below this prefix (keys relative to it), all requests in flight at
+        once: a handful of small files costs one round trip, not one each."""
+        store = self.open()
+        for future in [store.write(key, data) for key, data in objects.items()]:
+            future.result()
+
+    def read_many(self, keys: Sequence[str]) -> dict[str, bytes | None]:
+        """The objects at ``keys`` below this prefix (``None`` where missing), read at once."""
+        store = self.open()
+        results = [store.read(key) for key in keys]
+        return {
+            key: None if (r := future.result()).state == "missing" else bytes(r.value)
+            for key, future in zip(keys, results, strict=True)
+        }
 
     def split(self) -> tuple[KvPath, str]:
         head, _, name = self.key.rstrip("/").rpartition("/")
