@@ -295,16 +295,20 @@ class DurableTier:
         )
 
     def wait(self, *, raise_errors: bool) -> None:
-        """Blocks until no step waits or drains; then raises the first drain error, if asked.
+        """Blocks until no step waits or drains; then raises the first drain error, if asked
+        (otherwise the errors are kept for the next call that asks).
 
         Raises:
-          DurableTierError: a drain failed since the last call (the others are in its notes).
+          DurableTierError: a drain failed since the errors were last raised (the others are
+            in its notes).
         """
         with self._cond:
             while self._offered is not None or self._draining is not None:
                 self._cond.wait()
+            if not raise_errors:
+                return
             errors, self._errors = self._errors, []
-        if raise_errors and errors:
+        if errors:
             first = errors[0]
             for other in errors[1:]:
                 first.add_note(f"also: {other}")

@@ -228,6 +228,7 @@ def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(tmp
             mngr.save(step, _state(step), loss=1.0)
             mngr.wait_until_finished()  # local commits are not held up
             assert mngr._local_steps()[-1] == step
+        mngr.delete(1)  # waits for the drains too, but leaves their errors to be raised
         with pytest.raises(DurableTierError, match=r"step \d to s3://") as caught:
             mngr.wait_until_finished(durable=True)
         assert mngr.durable_steps() == []
