@@ -77,6 +77,8 @@ class Measurements(NamedTuple):
         own ``mtbf_s`` uses that instead).
       recovery_s: the recovery time it was given, measured (NaN before the first restore).
       failures: failures of the job so far, as the directory recorded them.
+      drain_s: how long the last drain to the durable tier took, from the local commit to the
+        durable manifest (NaN without a durable tier or before the first drain).
     """
 
     step_time_s: float
@@ -86,6 +88,7 @@ class Measurements(NamedTuple):
     mtbf_s: float = math.nan
     recovery_s: float = math.nan
     failures: int = 0
+    drain_s: float = math.nan
 
 
 def check_step(step: Any) -> int:

@@ -137,6 +137,9 @@ class PolicyDriver:
       broadcast: makes the measured inputs of every process equal before the policy sees them
         (see :class:`cocijax.policies.Runner`); default: JAX's broadcast from process 0. The
         PyTorch manager passes its process group's.
+      compile_now: start compiling the policy's update in the background at once (see
+        :meth:`cocijax.policies.Runner.compile`); a read-only manager, which never decides,
+        passes False.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -157,13 +160,15 @@ class PolicyDriver:
         cost_from_intervals: bool = False,
         save_final_step: bool = False,
         broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
+        compile_now: bool = True,
     ):
         check_policy(policy)
         self.policy = policy
         self.runner = Runner(policy, broadcast=broadcast)
-        # Now, so that no training step is charged for it, and in a thread: a restarted job
-        # restores and compiles its training step meanwhile (measured in chaos_bench).
-        self.runner.compile(background=True)
+        if compile_now:
+            # Now, so that no training step is charged for it, and in a thread: a restarted
+            # job restores and compiles its training step meanwhile (measured in chaos_bench).
+            self.runner.compile(background=True)
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).
         self._final_step = getattr(policy, "total_steps", None) if save_final_step else None

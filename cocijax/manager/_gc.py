@@ -22,7 +22,7 @@ __all__ = ["collect_garbage"]
 log = logging.getLogger(__name__)
 
 
-def collect_garbage(directory: Path, stripe_roots: Sequence[Path]) -> None:
+def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPath]) -> None:
     """Empties the trash and removes the stripe directories no step directory references.
 
     Call it only on the primary process and only while no save is in flight (the caller has
@@ -51,4 +51,4 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path]) -> None:
         return  # a step whose stripes are unknown: removing any could lose its data
     for stripe_dir in garbage:
         log.info("removing unreferenced stripe directory %s", stripe_dir)
-        shutil.rmtree(stripe_dir, ignore_errors=True)
+        storage.remove_tree(stripe_dir)  # a local directory, or every object of an S3 prefix

@@ -26,7 +26,8 @@ import json
 import os
 import pathlib
 import tempfile
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +41,17 @@ from orbax.checkpoint import options as options_lib
 # (what `CheckpointManager.item_metadata` expects): the one private import left here.
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
-from cocijax.storage import _direct, _io, _layout, _manifest, _restore, _snapshot, _write
+from cocijax.storage import (
+    _direct,
+    _io,
+    _kvpath,
+    _layout,
+    _manifest,
+    _restore,
+    _snapshot,
+    _write,
+)
+from cocijax.storage._kvpath import KvPath
 from cocijax.storage._manifest import Manifest, PieceRecord
 
 _MiB = 1 << 20
@@ -70,6 +81,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self,
         roots: Sequence[os.PathLike | str] = (),
         *,
+        root_options: Mapping[str, Any] | None = None,
         concurrency: int = 32,
         chunk_bytes: int = 16 * _MiB,
         piece_bytes: int = 64 * _MiB,
@@ -84,8 +96,16 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Creates the handler and checks that every root can be written.
 
         Args:
-          roots: local directories to stripe over, created if missing; empty means the Orbax
-            item directory itself. Each is usually on its own device.
+          roots: where to stripe the pieces: local directories (plain paths or ``file://``
+            URLs, created if missing; each usually on its own device) and object-store
+            prefixes (``s3://bucket/prefix``, ``gs://bucket/prefix``). Empty means the Orbax
+            item directory itself.
+          root_options: TensorStore kvstore spec members for the object-store roots, e.g.
+            ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}`` for an
+            S3-compatible server, ``aws_credentials`` (``{"type": "profile", "profile":
+            "ci"}``; the default is TensorStore's chain: environment, profile, instance
+            metadata), ``requester_pays``, or ``context`` (e.g. ``s3_request_retries``).
+            Used for reading too (restore, metadata-free verify); never written to a manifest.
           concurrency: TensorStore ``file_io_concurrency``: file operations in flight.
           chunk_bytes: approximate size of one zarr chunk (one file) inside a piece.
           piece_bytes: largest piece (one zarr array); large arrays are split to this size.
@@ -105,20 +125,26 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             manifest.
 
         Raises:
-          TypeError: ``roots`` is a single string or path instead of a sequence.
-          ValueError: two roots are the same directory, a root cannot be created or written, or
-            an option is out of range.
+          TypeError: ``roots`` is a single string or path instead of a sequence, or
+            ``root_options`` is not a dict.
+          ValueError: two roots are the same directory, a root cannot be created or written
+            (on an object store: a probe object cannot be written and deleted), an unsupported
+            URL scheme, options TensorStore refuses, or an option is out of range.
         """
         if isinstance(roots, str | os.PathLike):
             raise TypeError(
                 f"roots must be a sequence of directories, got the single path {roots!r}; "
                 "write roots=[...]."
             )
-        resolved: list[pathlib.Path] = []
+        resolved: list[pathlib.Path | KvPath] = []
         for i, root in enumerate(roots):
-            path = pathlib.Path(root).expanduser().absolute()
-            _check_writable(path, f"roots[{i}]")
-            path = path.resolve()
+            path = _kvpath.location(root, root_options)
+            if isinstance(path, KvPath):
+                _check_writable_object_store(path, f"roots[{i}]")
+            else:
+                path = path.expanduser().absolute()
+                _check_writable(path, f"roots[{i}]")
+                path = path.resolve()
             if path in resolved:
                 raise ValueError(
                     f"roots[{i}]={str(root)!r} is the same directory as "
@@ -136,7 +162,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}.")
-        self._roots: tuple[pathlib.Path | None, ...] = tuple(resolved) or (None,)
+        self._roots: tuple[pathlib.Path | KvPath | None, ...] = tuple(resolved) or (None,)
+        self._root_options = root_options
         self._chunk_bytes = chunk_bytes
         self._piece_bytes = piece_bytes
         self._small_bytes = small_bytes
@@ -174,8 +201,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._io_executor
 
     @property
-    def roots(self) -> tuple[pathlib.Path, ...]:
-        """The resolved roots; empty when data goes inside the item directory."""
+    def roots(self) -> tuple[pathlib.Path | KvPath, ...]:
+        """The resolved roots (``KvPath`` on object stores); empty: inside the item directory."""
         return tuple(r for r in self._roots if r is not None)
 
     @classmethod
@@ -244,7 +271,12 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
     ) -> list[concurrent.futures.Future] | None:
         """Starts the direct writes of ``piece``'s chunk files; ``None`` if it needs TensorStore."""
-        if not (self._direct_writes and self._compression is None and _direct.can_write_raw(data)):
+        if not (
+            self._direct_writes
+            and self._compression is None
+            and isinstance(stripe_dir, pathlib.Path)
+            and _direct.can_write_raw(data)
+        ):
             return None
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
@@ -276,7 +308,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         stripe = snapshot.stripe
         used = sorted({p.root for p in snapshot.pieces})
         stripe_dirs = {r: (self._roots[r] or directory) / stripe for r in used}
-        for d in stripe_dirs.values():
+        local = {r: d for r, d in stripe_dirs.items() if isinstance(d, pathlib.Path)}
+        for d in local.values():
             d.mkdir(exist_ok=True)
         sums: list[asyncio.Future] = []
         writes = []
@@ -300,17 +333,23 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
         if self._reuse_host_buffers:
             self._buffers.give_back(snapshot.owned)  # every write and checksum is done
-        # Every file at once, then every directory that gained entries: piece directories,
-        # stripe directories and the roots holding them.
+        # Local stripes are made durable with fsync: every file at once, then every directory
+        # that gained entries (piece directories, stripe directories and the roots holding
+        # them). On an object store a successful PUT is the promise, and one LIST checks that
+        # every object is there.
         files = [path for paths in written if paths for path in paths]
         await _io.gather_all(
             loop.run_in_executor(self._io_pool, _direct.fsync_file, f) for f in files
         )
-        stripes = stripe_dirs.values()
-        dirs = {*(stripe_dirs[p.root] / p.name for p in snapshot.pieces), *stripes}
-        dirs |= {d.parent for d in stripes}
+        dirs = {local[p.root] / p.name for p in snapshot.pieces if p.root in local}
+        dirs |= {*local.values(), *(d.parent for d in local.values())}
         await _io.gather_all(
-            loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs
+            [loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs]
+            + [
+                _write.check_written(d, self._chunk_counts(snapshot.pieces, r))
+                for r, d in stripe_dirs.items()
+                if r not in local
+            ]
         )
         records = []
         for piece in snapshot.pieces:
@@ -347,6 +386,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         _manifest.replace_json(
             _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
         )
+
+    def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
+        return {
+            p.name: _write.chunk_count(p.shape, p.dtype.itemsize, self._chunk_bytes)
+            for p in pieces
+            if p.root == root
+        }
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
@@ -398,6 +444,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 io_pool=self._io_pool,
                 roots=args.roots,
                 partial=args.partial,
+                root_options=self._root_options,
             )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
@@ -467,6 +514,18 @@ def _check_writable(path: pathlib.Path, name: str) -> None:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
 
 
+def _check_writable_object_store(path: KvPath, name: str) -> None:
+    # The same promise as for a local root: a root that cannot be written fails here, naming
+    # it, not at the first save (a wrong endpoint, bucket or credentials).
+    probe = path / f".cocijax-probe-{uuid.uuid4().hex}"
+    try:
+        # Not empty: a GCS emulator (gcp-storage-emulator) fails an empty media upload.
+        probe.write_bytes(b"cocijax")
+        probe.delete()
+    except (ValueError, OSError) as e:  # TensorStore raises ValueError for I/O failures
+        raise ValueError(f"{name}={path.url!r} cannot be written: {e}.") from e
+
+
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class StripedSave(checkpoint_args.CheckpointArgs):
@@ -500,8 +559,9 @@ class StripedRestore(checkpoint_args.CheckpointArgs):
         strings, ``ocp.PLACEHOLDER`` (leaf not read, returned as the placeholder),
         ``optax.MaskedNode`` (not read), or what :meth:`StripedCheckpointHandler.metadata`
         returns (as saved).
-      roots: where the stripes are now, one directory per root recorded at save time (in the
-        same order), when they were moved; ``None`` reads the recorded roots.
+      roots: where the stripes are now, one directory (or object-store URL) per root recorded
+        at save time (in the same order), when they were moved; ``None`` reads the recorded
+        roots. Object stores are read with the handler's ``root_options``.
       partial: the target (required) may be any sub-tree of the saved tree, e.g. only
         ``{"params": ...}`` of a saved ``{"params": ..., "opt_state": ...}``: leaves it omits
         are not read, and the result has the target's structure (Orbax's

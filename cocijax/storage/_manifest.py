@@ -19,11 +19,16 @@ import math
 import os
 import pathlib
 import re
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cocijax.storage import _schema, _tree
+from cocijax.storage import _kvpath, _schema, _tree
 from cocijax.storage._digest import check_digest, with_digest
+from cocijax.storage._kvpath import KvPath
+
+# A directory as the storage functions take it: a local path, or an object-store URL or KvPath.
+Location = os.PathLike | str | KvPath
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +158,8 @@ class Manifest:
     Attributes:
       version: format version.
       checksum: checksum algorithm (``"xxh3_64"``) or ``None``.
-      roots: absolute root directories; ``None`` stands for the item directory itself.
+      roots: absolute root directories or object-store URLs (``s3://bucket/prefix``);
+        ``None`` stands for the item directory itself.
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.
       custom_metadata: the JSON value given as ``StripedSave(custom_metadata=...)``, or None.
@@ -166,12 +172,17 @@ class Manifest:
     pieces: tuple[PieceRecord, ...]
     custom_metadata: Any = None
 
-    def root_dir(self, index: int, item_dir: os.PathLike | str) -> pathlib.Path:
+    def root_dir(
+        self, index: int, item_dir: Location, options: Mapping[str, Any] | None = None
+    ) -> pathlib.Path | KvPath:
+        """Root ``index``: a local directory, or a :class:`KvPath` opened with ``options``."""
         root = self.roots[index]
-        return pathlib.Path(item_dir) if root is None else pathlib.Path(root)
+        return _kvpath.location(item_dir if root is None else root, options)
 
-    def piece_path(self, piece: PieceRecord, item_dir: os.PathLike | str) -> pathlib.Path:
-        return self.root_dir(piece.root, item_dir) / piece.file
+    def piece_path(
+        self, piece: PieceRecord, item_dir: Location, options: Mapping[str, Any] | None = None
+    ) -> pathlib.Path | KvPath:
+        return self.root_dir(piece.root, item_dir, options) / piece.file
 
     def with_roots(self, roots: Sequence[os.PathLike | str | None] | None) -> Manifest:
         """This manifest reading its pieces from ``roots`` instead of the recorded roots.
@@ -189,8 +200,20 @@ class Manifest:
                 f"roots must list {len(self.roots)} directories (one per root the checkpoint "
                 f"was striped over, in order: {list(self.roots)}), got {roots!r}."
             )
-        moved = tuple(None if r is None else str(pathlib.Path(r).absolute()) for r in roots)
+        moved = tuple(None if r is None else _root_string(r) for r in roots)
         return dataclasses.replace(self, roots=moved)
+
+    def in_item_dir(self) -> Manifest:
+        """This manifest with every piece under the item directory itself (one root, ``None``).
+
+        What a copy of the item that keeps all its pieces inside its own directory records
+        (see ``copy_item``); piece files keep their names (``<stripe dir>/<piece>``).
+        """
+        return dataclasses.replace(
+            self,
+            roots=(None,),
+            pieces=tuple(dataclasses.replace(p, root=0) for p in self.pieces),
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -275,6 +298,12 @@ class Manifest:
         return manifest
 
 
+def _root_string(root: Location) -> str:
+    """How a manifest records a root: an absolute path, or an object-store URL."""
+    where = _kvpath.location(root)
+    return where.url if isinstance(where, KvPath) else str(where.absolute())
+
+
 def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
     data = {
         "path": leaf.path,
@@ -352,7 +381,7 @@ def write_json_durably(path: pathlib.Path, data: Any) -> None:
     fsync_dir(path.parent)
 
 
-def _read_json(path: pathlib.Path) -> Manifest:
+def _read_json(path: pathlib.Path | KvPath) -> Manifest:
     try:
         text = path.read_text()
     except FileNotFoundError as e:
@@ -369,11 +398,13 @@ def _read_json(path: pathlib.Path) -> Manifest:
     return Manifest.from_json(data, source=str(path))
 
 
-def read_manifest(item_dir: os.PathLike | str) -> Manifest:
+def read_manifest(item_dir: Location, *, root_options: Mapping[str, Any] | None = None) -> Manifest:
     """Reads the manifest of a committed item.
 
     Args:
-      item_dir: the Orbax item directory the handler saved into.
+      item_dir: the Orbax item directory the handler saved into, or an item on an object
+        store (``s3://bucket/run/7/state``).
+      root_options: kvstore options for an object-store ``item_dir`` (e.g. ``endpoint``).
 
     Returns:
       The parsed :class:`Manifest`.
@@ -389,9 +420,14 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
       >>> [(leaf.path, leaf.kind, leaf.shape) for leaf in read_manifest(path).leaves]
       [("['step']", 'int', ()), ("['w']", 'numpy', (3,))]
     """
-    manifest = _read_json(pathlib.Path(item_dir) / MANIFEST_NAME)
-    _schema.check_coverage(manifest, pathlib.Path(item_dir), CheckpointFormatError)
+    item_dir = _kvpath.location(item_dir, root_options)
+    manifest = _read_json(item_dir / MANIFEST_NAME)
+    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
     return manifest
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def part_path(item_dir: os.PathLike | str, process: int) -> pathlib.Path:
@@ -453,14 +489,21 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
 
 
 def write_manifest(
-    item_dir: pathlib.Path, manifest: Manifest, *, remove: Sequence[pathlib.Path] = ()
+    item_dir: pathlib.Path | KvPath, manifest: Manifest, *, remove: Sequence[pathlib.Path] = ()
 ) -> None:
-    """Writes the manifest of ``item_dir`` durably, removing ``remove`` (merged parts) with it.
+    """Writes ``manifest`` into ``item_dir``: the commit record, so write it last.
+
+    On a local directory it is written durably (temporary file, fsync, rename), and the files
+    in ``remove`` (merged parts) are removed with it; on an object store it is one PUT, which
+    makes the whole object appear at once or not at all.
 
     Raises:
       CheckpointFormatError: some leaf is not fully covered by the pieces.
     """
     _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    if isinstance(item_dir, KvPath):
+        (item_dir / MANIFEST_NAME).write_bytes(_json_bytes(manifest.to_json()))
+        return
     replace_json(item_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
     for p in remove:
         p.unlink()
@@ -479,24 +522,45 @@ def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:
     return _stripe_dirs(read_manifest(item_dir))
 
 
-def _stripe_dirs(manifest: Manifest) -> set[pathlib.Path]:
+def _stripe_dirs(manifest: Manifest) -> set[pathlib.Path | KvPath]:
     dirs = set()
     for p in manifest.pieces:
         root = manifest.roots[p.root]
         if root is not None:
-            dirs.add(pathlib.Path(root) / pathlib.PurePosixPath(p.file).parts[0])
+            dirs.add(_kvpath.location(root) / pathlib.PurePosixPath(p.file).parts[0])
     return dirs
 
 
-def find_stripe_dirs(root: os.PathLike | str) -> list[pathlib.Path]:
-    """Every stripe directory cocijax wrote directly under ``root``, sorted; [] if none."""
-    root = pathlib.Path(root)
+def find_stripe_dirs(
+    root: Location, *, root_options: Mapping[str, Any] | None = None
+) -> list[pathlib.Path | KvPath]:
+    """Every stripe directory cocijax wrote directly under ``root``, sorted; [] if none.
+
+    ``root`` may be an object-store prefix (``s3://bucket/prefix``): its keys are listed.
+    """
+    root = _kvpath.location(root, root_options)
+    if isinstance(root, KvPath):
+        names = {key.split("/", 1)[0] for key in root.list()}
+        return [root / n for n in sorted(names) if n.startswith(STRIPE_PREFIX)]
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STRIPE_PREFIX))
 
 
-def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | None:
+def remove_tree(where: Location, *, root_options: Mapping[str, Any] | None = None) -> None:
+    """Removes a directory (a stripe directory, say) or every object under a prefix."""
+    where = _kvpath.location(where, root_options)
+    if isinstance(where, KvPath):
+        where.delete_all()
+    else:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _resolved(where: pathlib.Path | KvPath) -> pathlib.Path | KvPath:
+    return where.resolve() if isinstance(where, pathlib.Path) else where
+
+
+def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path | KvPath] | None:
     """The stripe directories on external roots that an item references, for garbage collection.
 
     The rule for items that cannot be read:
@@ -542,7 +606,9 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
         return None
     try:
         parsed = Manifest.from_json(data, source=str(manifest))
-        refs: frozenset[pathlib.Path] | None = frozenset(d.resolve() for d in _stripe_dirs(parsed))
+        refs: frozenset[pathlib.Path | KvPath] | None = frozenset(
+            _resolved(d) for d in _stripe_dirs(parsed)
+        )
     except (ValueError, IndexError, TypeError) as e:
         log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
         refs = None
@@ -554,17 +620,22 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
 
 # Answers of stripes_in_use per manifest version (path, mtime, size): a manifest is written once
 # (atomically renamed into place), so its answer never changes.
-_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path] | None] = {}
+_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path | KvPath] | None] = {}
 
 
 def unreferenced_stripe_dirs(
-    roots: Iterable[os.PathLike | str], item_dirs: Iterable[os.PathLike | str]
-) -> list[pathlib.Path] | None:
+    roots: Iterable[Location],
+    item_dirs: Iterable[os.PathLike | str],
+    *,
+    root_options: Mapping[str, Any] | None = None,
+) -> list[pathlib.Path | KvPath] | None:
     """Stripe directories on ``roots`` that none of ``item_dirs`` references: garbage.
 
     Args:
-      roots: the directories saves striped into (a handler's ``roots``).
+      roots: the directories or object-store prefixes saves striped into (a handler's
+        ``roots``).
       item_dirs: every item that may reference stripes on them, committed or not.
+      root_options: kvstore options for object-store roots given as URLs.
 
     Returns:
       The unreferenced stripe directories, sorted; ``None`` when an item's references cannot
@@ -577,13 +648,18 @@ def unreferenced_stripe_dirs(
       >>> [p.name for p in unreferenced_stripe_dirs([root], [])]
       ['cocijax-stripe-left-by-a-crash']
     """
-    referenced: set[pathlib.Path] = set()
+    referenced: set[pathlib.Path | KvPath] = set()
     for item_dir in item_dirs:
         refs = stripes_in_use(item_dir)
         if refs is None:
             return None
         referenced |= refs
-    return [d for root in roots for d in find_stripe_dirs(root) if d.resolve() not in referenced]
+    return [
+        d
+        for root in roots
+        for d in find_stripe_dirs(root, root_options=root_options)
+        if _resolved(d) not in referenced
+    ]
 
 
 def check_tree(tree: Any) -> None:

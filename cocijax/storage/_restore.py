@@ -13,7 +13,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,11 +41,13 @@ def restore_tree(
     io_pool: concurrent.futures.Executor | None = None,
     roots: Sequence[os.PathLike | str | None] | None = None,
     partial: bool = False,
+    root_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Restores the item in ``directory`` into ``target`` (see ``StripedCheckpointHandler``).
 
-    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``). With ``partial`` the
-    target may omit saved leaves: those are not read.
+    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``); ``root_options`` are
+    the kvstore options of object-store roots. With ``partial`` the target may omit saved
+    leaves: those are not read.
 
     Raises:
       CheckpointFormatError: the manifest is missing or invalid.
@@ -68,7 +70,15 @@ def restore_tree(
     else:
         flat, treedef = _tree.flatten(target)
         targets, order = _match(manifest, flat, directory, partial=partial)
-    reader = _read.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
+    reader = _read.PieceReader(
+        manifest,
+        directory,
+        context,
+        pool,
+        verify=verify,
+        io_pool=io_pool,
+        root_options=root_options,
+    )
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
         by_leaf[p.leaf].append(p)

@@ -153,7 +153,7 @@ def _inside(file: Any) -> bool:
     return not path.is_absolute() and ".." not in path.parts
 
 
-def check_coverage(manifest: Manifest, item_dir: pathlib.Path, error: type[Exception]) -> None:
+def check_coverage(manifest: Manifest, item_dir: object, error: type[Exception]) -> None:
     """Raises ``error`` when an array leaf's pieces do not add up to the whole leaf.
 
     Pieces come from replica-0 shards, which never overlap, so equal volume means full cover: a

@@ -157,7 +157,8 @@ def take(
     # written as soon as its host copy is done (the item directory may not exist yet). Only
     # pieces of at least one full chunk start early: with few cores, the per-file work of small
     # pieces slowed the copy that blocks the caller more than it saved (measured).
-    early_roots = {p.root for p in pieces if roots[p.root] is not None}
+    # (Local roots only: pieces on an object store are written through TensorStore.)
+    early_roots = {p.root for p in pieces if isinstance(roots[p.root], pathlib.Path)}
     for r in early_roots:
         (roots[r] / stripe).mkdir()
 

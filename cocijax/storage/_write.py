@@ -1,9 +1,10 @@
 """The write path of a piece: its zarr v3 spec, TensorStore writes, durable directories.
 
-Every piece is a standard zarr v3 array (``zarr3`` driver on the ``file`` kvstore), so
-zarr-python reads it without cocijax. TensorStore writes compressed pieces; the files of
-uncompressed pieces are written by ``_direct``: their chunk files, and the ``zarr.json`` that
-TensorStore made for them in memory (:func:`metadata_file`).
+Every piece is a standard zarr v3 array (``zarr3`` driver on the ``file`` kvstore, or on an
+object store's), so zarr-python reads it without cocijax. TensorStore writes compressed pieces
+and every piece on an object store; the files of uncompressed pieces on local roots are written
+by ``_direct``: their chunk files, and the ``zarr.json`` that TensorStore made for them in
+memory (:func:`metadata_file`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _direct
+from cocijax.storage import _direct, _kvpath
+from cocijax.storage._kvpath import KvPath
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[int]:
@@ -37,7 +39,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list
 
 
 def write_spec(
-    path: pathlib.Path,
+    path: pathlib.Path | KvPath,
     dtype: np.dtype,
     shape: tuple[int, ...],
     *,
@@ -65,7 +67,7 @@ def write_spec(
         metadata["codecs"].append({"name": "zstd", "configuration": {"level": compression_level}})
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},
+        "kvstore": _kvpath.kvstore_spec(path),
         "metadata": metadata,
         "create": True,
         # Zero chunks must exist on disk too: reads refuse missing chunks (see read_spec).
@@ -99,3 +101,41 @@ def _metadata_file(metadata: str) -> bytes:
 async def write_piece(spec: dict[str, Any], data: np.ndarray, context: ts.Context) -> None:
     array = await ts.open(spec, context=context)
     await array.write(data, can_reference_source_data_indefinitely=True)
+
+
+async def check_written(stripe_dir: KvPath, pieces: dict[str, int]) -> None:
+    """Checks that an object store lists every object of the pieces written under ``stripe_dir``.
+
+    An object store has no fsync to wait for: a successful PUT is the durability promise.
+    This one LIST makes sure each piece's ``zarr.json`` and all its chunk objects are there
+    before a manifest names them.
+
+    Args:
+      stripe_dir: the stripe prefix.
+      pieces: piece name -> number of chunk objects it must hold.
+
+    Raises:
+      OSError: an object is missing (names the piece's URL and what was found).
+    """
+    keys = await stripe_dir.open().list()
+    found: dict[str, int] = {}
+    meta: set[str] = set()
+    for key in keys:
+        name, _, rest = key.decode().partition("/")
+        if rest == "zarr.json":
+            meta.add(name)
+        elif rest.startswith("c"):
+            found[name] = found.get(name, 0) + 1
+    for name, chunks in pieces.items():
+        if name not in meta or found.get(name, 0) != chunks:
+            raise OSError(
+                f"{stripe_dir / name}: the object store lists {found.get(name, 0)} of {chunks} "
+                f"chunk objects{'' if name in meta else ' and no zarr.json'} after the writes "
+                "succeeded."
+            )
+
+
+def chunk_count(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> int:
+    """How many chunk objects a piece of ``shape`` is stored in (see :func:`chunk_shape`)."""
+    chunks = chunk_shape(shape, itemsize, chunk_bytes)
+    return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1

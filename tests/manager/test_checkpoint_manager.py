@@ -386,6 +386,20 @@ def test_read_only_manager_lists_and_restores_beside_a_writer(tmp_path):
     assert not (tmp_path / "absent").exists()
 
 
+def test_only_a_writer_compiles_its_policy_when_it_opens(tmp_path, monkeypatch):
+    # A reader never decides: compiling per opening cost a reader that opens managers in a
+    # loop seconds of CPU each (found by the long concurrent-readers run).
+    compiles = []
+    monkeypatch.setattr(cj.policies.Runner, "compile", lambda self, **kw: compiles.append(kw))
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)):
+        assert compiles == [{"background": True}]
+        reader = cj.CheckpointManager(
+            tmp_path / "ck", options=ocp.CheckpointManagerOptions(read_only=True)
+        )
+        reader.close()
+    assert compiles == [{"background": True}]
+
+
 def test_synchronous_saves_commit_and_restore(tmp_path):
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     with cj.CheckpointManager(
