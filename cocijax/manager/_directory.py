@@ -102,8 +102,12 @@ class CommittedStepFormat:
             try:
                 # Read now: Orbax reads it later, when a writer may have deleted the step.
                 committed_at = metadata.commit_timestamp
-            except FileNotFoundError:
-                continue  # deleted since it was listed
+            except (FileNotFoundError, NotADirectoryError):
+                # Deleted since it was listed. Orbax checks that the step exists, then that it
+                # is a directory: a step removed in between is "not a directory" to it.
+                if Path(metadata.path).is_dir():
+                    raise
+                continue
             yield _ListedStep(metadata.step, metadata.path, committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
