@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a looser requirement pulls a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test lint bench chaos clean
+.PHONY: demo test lint systools bench chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,24 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# System tools of the reliability tests: strace records the file-system operations of a save
+# (power-loss crash states), fiu-utils injects I/O errors (libfiu). Installed when this runs as
+# root with apt-get; elsewhere the tests that need them skip, saying why (CI runs as root).
+SYSTOOLS := strace fiu-run
+SYSTOOLS_DEB := strace fiu-utils
+
+systools:
+	@missing=""; for t in $(SYSTOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(SYSTOOLS_DEB) with apt-get (missing:$$missing): the power-loss and I/O-error tests need them"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTOOLS_DEB) >/dev/null; } \
+	    || echo "apt-get could not install $(SYSTOOLS_DEB): the tests that need them will skip (and fail under CI)"; \
+	else \
+	  echo "missing:$$missing; not root or no apt-get, so not installed: the power-loss and I/O-error tests will skip"; \
+	fi
+
+test: lint systools
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # Prints the tables; `make bench BENCH_ARGS=--write` also records them in BENCHMARKS.md.
@@ -39,6 +56,7 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/step_cost_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/write_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/restore_floor.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/tier_bench.py $(BENCH_ARGS)
 
 # The live chaos benchmark (an hour or more; `make chaos CHAOS_ARGS=--quick`: a few minutes). Not
 # part of `bench`: it needs the machine to itself for that long.

@@ -3,8 +3,8 @@
 Commands::
 
     cocijax plan LOSSES.csv --mtbf 4h --ckpt-cost 20s --step-time 1.5s [--plot plan.png]
-    cocijax ls DIR
-    cocijax verify DIR [--step N]
+    cocijax ls DIR|URL [--endpoint URL] [--region NAME]
+    cocijax verify DIR|URL [--step N] [--endpoint URL] [--region NAME]
     cocijax bench [write_bench arguments...]
 
 Durations read like ``4h``, ``90min``, ``1h30m``, ``1.5s``; a bare number is seconds. Errors are
@@ -120,6 +120,16 @@ def _join_negative_durations(argv: list[str]) -> list[str]:
     return out
 
 
+def _add_object_store(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--endpoint",
+        metavar="URL",
+        help="S3-compatible server for s3:// roots or DIR (credentials: the AWS environment "
+        "variables or profile, as TensorStore reads them)",
+    )
+    p.add_argument("--region", metavar="NAME", help="the S3 region (aws_region)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``cocijax`` (exposed for documentation and tests)."""
     parser = _Parser(
@@ -137,8 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lists each step with its size, time and checksum status. Exit status 1 "
         "when a step is damaged, 2 when DIR is not a cocijax checkpoint directory.",
     )
-    p.add_argument("directory", metavar="DIR")
+    p.add_argument(
+        "directory", metavar="DIR", help="a checkpoint directory, or a durable tier's URL"
+    )
     p.add_argument("--no-verify", action="store_true", help="skip reading every byte")
+    _add_object_store(p)
     p = sub.add_parser(
         "verify",
         help="check every checksum of a checkpoint directory",
@@ -150,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step", type=_number(_validate.at_least(0)), metavar="N", default=None, help="only N"
     )
+    _add_object_store(p)
     sub.add_parser(
         "bench",
         help="run the write benchmark (benchmarks/write_bench.py)",

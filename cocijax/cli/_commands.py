@@ -7,6 +7,7 @@ import csv
 import datetime
 import importlib.util
 import inspect
+import json
 import math
 import sys
 from pathlib import Path
@@ -308,7 +309,7 @@ def find_steps(directory: str | Path) -> list[StepDir]:
             steps.append(StepDir(int(entry.name), entry, "jax"))
         elif (entry / TORCH_METADATA).is_file():
             steps.append(StepDir(int(entry.name), entry, "torch"))
-        else:
+        elif entry.exists():  # else a writer deleted it meanwhile
             raise CliError(
                 f"{entry} is a step directory without a '{STATE_ITEM}' item or "
                 f"{TORCH_METADATA}: {directory} is not a cocijax checkpoint directory"
@@ -332,7 +333,8 @@ def _item(step: StepDir) -> Path:
 
 
 def _step_size(step: StepDir) -> int:
-    """Bytes of a step, with its stripes on external roots (each directory counted once)."""
+    """Bytes of a step, with its stripes on external local roots (each directory counted once;
+    stripes on an object store are not listed here)."""
     from cocijax import storage
 
     size = _tree_size(step.path)
@@ -342,7 +344,7 @@ def _step_size(step: StepDir) -> int:
         except (ValueError, OSError):
             extra = []
         # Stripes inside the step itself (roots=()) are not listed: _tree_size counted them.
-        size += sum(_tree_size(d) for d in extra if d.is_dir())
+        size += sum(_tree_size(d) for d in extra if isinstance(d, Path) and d.is_dir())
     return size
 
 
@@ -355,19 +357,124 @@ def _step_time(step: StepDir) -> float:
     return (marker if marker.exists() else step.path).stat().st_mtime
 
 
+def _root_options(args: argparse.Namespace) -> dict[str, str] | None:
+    """Kvstore options for object stores from ``--endpoint`` and ``--region``."""
+    options = {}
+    if args.endpoint:
+        options["endpoint"] = args.endpoint
+    if args.region:
+        options["aws_region"] = args.region
+    return options or None
+
+
+def _durable_root(args: argparse.Namespace):
+    """The durable tier DIR names (an ``s3://`` or ``gs://`` URL), or ``None`` when local.
+
+    A ``file://`` DIR becomes its path.
+    """
+    from cocijax import storage
+
+    if not storage.is_url(args.directory):
+        return None
+    try:
+        root = storage.KvPath.parse(args.directory, _root_options(args))
+    except (TypeError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if root.is_local:
+        args.directory = root.key
+        return None
+    return root
+
+
+def _durable_steps(root, step: int | None = None) -> list[int]:
+    """The committed steps of a durable tier (only ``step`` when given)."""
+    from cocijax.manager._tiers import scan
+
+    try:
+        committed, _ = scan(root)
+    except (ValueError, OSError) as e:
+        raise CliError(f"cannot list {root.url}: {e}") from None
+    if step is not None:
+        if step not in committed:
+            raise CliError(f"no step {step} in {root.url}; steps: {committed}")
+        return [step]
+    return committed
+
+
+def _durable_row(root, step: int, check: bool) -> tuple[int, float | None, list | None]:
+    """Size (files and pieces as stored in memory), commit time, and problems when checked."""
+    import jax.numpy as jnp
+
+    from cocijax import storage
+    from cocijax.manager._directory import STATE_ITEM
+    from cocijax.manager._tiers import step_files, verify_durable_step
+
+    prefix = root / str(step)
+    manifest = storage.read_manifest(prefix / STATE_ITEM)
+    size = sum(
+        math.prod(p.shape) * jnp.dtype(manifest.leaves[p.leaf].dtype).itemsize
+        for p in manifest.pieces
+    )
+    size += sum(len(data or b"") for _, data, _ in step_files(prefix))
+    try:
+        meta = json.loads((prefix / "_CHECKPOINT_METADATA").read_text())
+        when = meta["commit_timestamp_nsecs"] / 1e9
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        when = None
+    return size, when, verify_durable_step(root, step) if check else None
+
+
+def _ls_durable(args: argparse.Namespace, root) -> int:
+    steps = _durable_steps(root)
+    out = _stdout()
+    if not steps:
+        out.print(f"{root.url}: no checkpoints", markup=False)
+        return EXIT_OK
+    table = _step_table(root.url)
+    damaged = False
+    for step in steps:
+        size, when, problems = _durable_row(root, step, not args.no_verify)
+        damaged |= bool(problems)
+        table.add_row(str(step), _units.format_size(size), _when(when), _status(problems))
+    out.print(table)
+    return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+def _step_table(title: str) -> Table:
+    table = Table(title=escape(title))
+    for name, justify in (("step", "right"), ("size", "right"), ("time", "left")):
+        table.add_column(name, justify=justify)
+    table.add_column("verified")
+    return table
+
+
+def _when(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _status(problems: list | None) -> str:
+    if problems is None:
+        return "-"
+    if problems:
+        return f"[red]DAMAGED[/red] ({len(problems)} problem(s))"
+    return "[green]ok[/green]"
+
+
 def ls(args: argparse.Namespace) -> int:
     from cocijax import storage
 
+    if (root := _durable_root(args)) is not None:
+        return _ls_durable(args, root)
     steps = find_steps(args.directory)
     out = _stdout()
     if not steps:
         out.print(f"{args.directory}: no checkpoints", markup=False)
         return EXIT_OK
-    table = Table(title=escape(str(args.directory)))
-    for name, justify in (("step", "right"), ("size", "right"), ("time", "left")):
-        table.add_column(name, justify=justify)
-    table.add_column("verified")
+    table = _step_table(str(args.directory))
     damaged = False
+    options = _root_options(args)
     with _progress() as progress:
         task = progress.add_task("reading", total=len(steps))
         for st in steps:
@@ -375,22 +482,42 @@ def ls(args: argparse.Namespace) -> int:
                 status = "-"
             elif st.kind == "torch":
                 status = "n/a (torch: no checksums)"
-            elif problems := storage.verify(_item(st)):
-                damaged = True
-                status = f"[red]DAMAGED[/red] ({len(problems)} problem(s))"
             else:
-                status = "[green]ok[/green]"
-            when = datetime.datetime.fromtimestamp(_step_time(st)).strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(str(st.step), _units.format_size(_step_size(st)), when, status)
+                problems = storage.verify(_item(st), root_options=options)
+                damaged |= bool(problems)
+                status = _status(problems)
+            size = _units.format_size(_step_size(st))
+            table.add_row(str(st.step), size, _when(_step_time(st)), status)
             progress.advance(task)
     out.print(table)
     return EXIT_DAMAGED if damaged else EXIT_OK
 
 
+def _verify_durable(args: argparse.Namespace, root) -> int:
+    from cocijax.manager._tiers import verify_durable_step
+
+    steps = _durable_steps(root, args.step)
+    bad = 0
+    for step in steps:
+        for p in verify_durable_step(root, step):
+            bad += 1
+            leaf = p.leaf_path or "(no leaf)"
+            print(f"step {step}: leaf {leaf}, file {p.file}: {p.what}", flush=True)
+    if bad:
+        print(f"cocijax verify: {bad} problem(s) in {root.url}", file=sys.stderr)
+        return EXIT_DAMAGED
+    what = f"OK: {len(steps)} step(s) verified in" if steps else "no checkpoints in"
+    _stdout().print(f"{what} {root.url}", markup=False)
+    return EXIT_OK
+
+
 def verify(args: argparse.Namespace) -> int:
     from cocijax import storage
 
+    if (root := _durable_root(args)) is not None:
+        return _verify_durable(args, root)
     directory = Path(args.directory)
+    options = _root_options(args)
     if directory.is_dir() and (directory / storage.MANIFEST_NAME).is_file():
         steps = [StepDir(-1, directory, "item")]  # DIR/<step>/state given directly
     else:
@@ -406,17 +533,26 @@ def verify(args: argparse.Namespace) -> int:
     torch_steps = [s.step for s in steps if s.kind == "torch"]
     steps = [s for s in steps if s.kind != "torch"]
     bad = 0
+    deleted = []
     with _progress() as progress:
         task = progress.add_task("verifying", total=len(steps))
         for st in steps:
             item = st.path if st.kind == "item" else _item(st)
             where = str(item) if st.kind == "item" else f"step {st.step}"
-            for p in storage.verify(item):
+            problems = storage.verify(item, root_options=options)
+            # A writer renames a step away before it removes any of its data: problems of a
+            # step whose directory is gone mean it was deleted during the check, not damaged.
+            if problems and not st.path.exists():
+                deleted.append(st)
+                print(f"{where}: deleted while it was verified (by its writer); skipped")
+                problems = []
+            for p in problems:
                 bad += 1
                 # One unwrapped line per problem (for grep and logs): leaf, file, what.
                 leaf = p.leaf_path or "(no leaf)"
                 print(f"{where}: leaf {leaf}, file {p.file}: {p.what}", flush=True)
             progress.advance(task)
+    steps = [s for s in steps if s not in deleted]
     if torch_steps:
         out.print(f"steps {torch_steps}: PyTorch checkpoints have no checksums", markup=False)
     if bad:

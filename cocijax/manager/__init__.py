@@ -10,6 +10,9 @@
   (``_retention.BestN``), preemption signals turned into one agreed save step
   (``_preemption.PreemptionWatcher``) and the contract and errors (``_contract``) both managers
   follow.
+
+With ``durable=``, the JAX manager keeps a second, durable tier (``_tiers``): committed steps
+are drained there in the background (an object store or a shared file system).
 """
 
 from cocijax.manager._checkpoint_manager import CheckpointManager
@@ -18,14 +21,18 @@ from cocijax.manager._contract import (
     ManagerClosedError,
     ManagerProtocol,
     Measurements,
+    StepDeletedError,
 )
 from cocijax.manager._save_decision import SaveDecisionPolicy
+from cocijax.manager._tiers import DurableTierError
 
 __all__ = [
     "CheckpointManager",
     "DirectoryLockedError",
+    "DurableTierError",
     "ManagerClosedError",
     "ManagerProtocol",
     "Measurements",
     "SaveDecisionPolicy",
+    "StepDeletedError",
 ]

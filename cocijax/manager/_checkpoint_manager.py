@@ -24,6 +24,7 @@ deletion never leaves a listed step with half its files; the manager empties tha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import (
     ManagerClosedError,
     Measurements,
+    StepDeletedError,
     check_step,
     check_step_order,
 )
@@ -55,16 +57,19 @@ from cocijax.manager._directory import (
     check_extra,
     check_layout,
     is_committed,
+    list_committed,
     merge_options,
     split_best,
 )
 from cocijax.manager._driver import PolicyDriver, stage_loss
+from cocijax.manager._faults import naming, retry_deletions, run_all, wait
 from cocijax.manager._gc import collect_garbage
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
+from cocijax.manager._tiers import manager_root, open_durable, pin_steps
 
 __all__ = ["CheckpointManager"]
 
@@ -140,12 +145,25 @@ class CheckpointManager:
       prior_mtbf_s: the MTBF the learned estimate starts from; default 24 h divided by
         ``jax.device_count()``.
       clock: monotonic clock in seconds; injectable for deterministic tests.
+      durable: a second, durable tier: an object-store URL (``s3://bucket/run42``,
+        ``gs://bucket/run42``) or a path (a shared or network file system). After a step
+        commits locally, a background thread copies it there (pieces, manifest, policy,
+        metrics and extra items; every checksum checked; the durable manifest last); a
+        ``save`` never waits for it. While a drain runs, only the newest committed step is
+        drained next. ``all_steps``/``latest_step``/``restore`` cover both tiers.
+      durable_every: drain every ``durable_every``-th saved step (a preemption save always).
+      durable_max_to_keep: steps kept on the durable tier (``None``: all); its newest
+        committed step is never deleted.
+      durable_options: TensorStore kvstore options for an object-store ``durable``, e.g.
+        ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}``.
 
     Raises:
       ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
-        or ``best_mode``/``keep_latest``/``preemption_signals`` are out of range.
-      TypeError: ``best_fn`` is not callable, or ``preemption_signals`` is not a sequence of
-        signals.
+        ``best_mode``/``keep_latest``/``preemption_signals``/``durable_every``/
+        ``durable_max_to_keep`` are out of range, or ``durable`` has an unsupported URL
+        scheme or options TensorStore refuses.
+      TypeError: ``best_fn`` is not callable, ``preemption_signals`` is not a sequence of
+        signals, or a ``durable*`` argument has the wrong type.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
@@ -174,6 +192,10 @@ class CheckpointManager:
         handler_options: dict[str, Any] | None = None,
         prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        durable: str | os.PathLike[str] | None = None,
+        durable_every: int = 1,
+        durable_max_to_keep: int | None = None,
+        durable_options: dict[str, Any] | None = None,
     ):
         from cocijax import policies
 
@@ -185,7 +207,8 @@ class CheckpointManager:
         self._directory = Path(directory).absolute()
         if self._directory.exists() and not self._directory.is_dir():
             raise NotADirectoryError(f"directory: {self._directory} exists and is not a directory.")
-        self._roots = tuple(Path(r).absolute() for r in roots) if roots else ()
+        root_options = (handler_options or {}).get("root_options")
+        self._roots = tuple(manager_root(r, root_options) for r in roots) if roots else ()
         # Each checkpoint directory stripes into its own folder on a root, so that the garbage
         # collection of one manager never sees (and removes) the stripes of another directory
         # sharing the root. Derived from the path, not random, so that every process of a job
@@ -197,6 +220,7 @@ class CheckpointManager:
         self._lock: DirectoryLock | None = None
         self._history: RunHistory | None = None
         self._committed: set[int] = set()
+        self._save_started = False
         options = merge_options(
             options,
             max_to_keep=max_to_keep,
@@ -227,9 +251,23 @@ class CheckpointManager:
         prior = policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
         prior = check("prior_mtbf_s", prior, POSITIVE)
         policy = policies.coci() if policy is None else policy
+        # The durable tier (None without one): its drain pins the steps it still needs.
+        self._durable = open_durable(
+            durable,
+            durable_options,
+            every=durable_every,
+            max_to_keep=durable_max_to_keep,
+            local=self._directory,
+            step_name=options.step_name_format.build_name,
+            source_options=root_options,
+            writer=not options.read_only and self._primary,
+            clock=clock,
+        )
+        if self._durable is not None:
+            options = pin_steps(options, self._durable.pinned)
 
         if not self._read_only:
-            self._directory.mkdir(parents=True, exist_ok=True)
+            storage.make_dirs(self._directory)  # durably: a power loss must not lose it
         elif not self._directory.is_dir():
             raise FileNotFoundError(f"directory: {self._directory} does not exist.")
         if not self._read_only and self._primary:
@@ -253,6 +291,9 @@ class CheckpointManager:
                 history=self._history,
                 prior_mtbf_s=prior,
                 save_final_step=True,
+                # A reader never decides: a compile per opening cost seconds of CPU each (a
+                # reader opening managers in a loop ran long past its loop, compiling).
+                compile_now=not self._read_only,
             )
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
@@ -271,15 +312,25 @@ class CheckpointManager:
                 self._directory, options=options, handler_registry=registry
             )
             self._collect_garbage()
+            if self._durable is not None:
+                self._durable.open(max(self._local_steps(), default=None))
             latest = self.latest_step()
             self._history.adopt(None)
             if latest is not None:
-                self._load_policy(latest, history=True)
+                where = "local" if latest in self._local_steps() else "durable"
+                self._load_policy(latest, history=True, where=where)
             self._latest_saved = latest
         except BaseException:
-            if hasattr(self, "orbax"):
-                self.orbax.close()
-            self._release()
+            # The lock is released even when closing Orbax or the drain fails too; the error
+            # of the open is the one raised.
+            with contextlib.suppress(Exception):
+                orbax = getattr(self, "orbax", None)
+                tier = self._durable
+                run_all(
+                    _nothing if orbax is None else orbax.close,
+                    _nothing if tier is None else tier.close,
+                    self._release,
+                )
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
@@ -289,11 +340,14 @@ class CheckpointManager:
         self._poll_preemption = self._preemption.polled
 
     def _release(self) -> None:
-        """Releases the lock and the running marker (a clean end: no failure is counted)."""
-        if self._history is not None:
-            self._history.close()
-        if self._lock is not None:
-            self._lock.release()
+        """Removes the running marker (a clean end), then releases the lock, whatever fails.
+
+        In this order: once the lock is free another writer may open and write its own marker.
+        """
+        run_all(
+            self._history.close if self._history is not None else _nothing,
+            self._lock.release if self._lock is not None else _nothing,
+        )
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -303,12 +357,13 @@ class CheckpointManager:
         return self._directory
 
     @property
-    def roots(self) -> tuple[Path, ...]:
-        """The external storage roots (empty when the data lives in the step directories)."""
+    def roots(self) -> tuple[Path | storage.KvPath, ...]:
+        """The external storage roots (empty when the data lives in the step directories);
+        ``KvPath`` for object-store roots."""
         return self._roots
 
     @property
-    def stripe_roots(self) -> tuple[Path, ...]:
+    def stripe_roots(self) -> tuple[Path | storage.KvPath, ...]:
         """Where this directory's stripes go: one folder per root, private to this directory."""
         return self._stripe_roots
 
@@ -319,8 +374,12 @@ class CheckpointManager:
 
     @property
     def measurements(self) -> Measurements:
-        """The inputs of the policy's last decision (see :class:`Measurements`)."""
-        return self._driver.measurements()
+        """The inputs of the policy's last decision (see :class:`Measurements`), and the time
+        of the last drain to the durable tier (``drain_s``)."""
+        measured = self._driver.measurements()
+        if self._durable is not None:
+            measured = measured._replace(drain_s=self._durable.drain_s)
+        return measured
 
     @property
     def restored_step(self) -> int | None:
@@ -337,7 +396,23 @@ class CheckpointManager:
         return self.orbax.metrics(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first: a save still in flight is not listed."""
+        """Committed steps of both tiers, oldest first: a save still in flight is not listed.
+
+        A read-only manager lists the directory afresh at every call: it follows a writer in
+        another process, whose new steps Orbax's cached listing would not show.
+        """
+        durable = self._durable.steps() if self._durable is not None else []
+        return sorted(set(self._local_steps()) | set(durable))
+
+    def durable_steps(self) -> list[int]:
+        """Steps committed on the durable tier, oldest first (``[]`` without one)."""
+        return self._durable.steps() if self._durable is not None else []
+
+    def _local_steps(self) -> list[int]:
+        """Committed steps of the local tier, oldest first."""
+        if self._read_only:
+            self._committed = set(list_committed(self._directory, frozenset(self._committed)))
+            return sorted(self._committed)
         # Orbax lists a step as soon as its save starts; committed means the manifest is there.
         # A manifest, once valid, stays so: each step directory is read once.
         steps = sorted(self.orbax.all_steps())
@@ -350,7 +425,7 @@ class CheckpointManager:
         return [step for step in steps if step in self._committed]
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step of either tier, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -423,6 +498,8 @@ class CheckpointManager:
         )
         if saved or preempted:
             self._save(step, state, loss, extra, metrics, custom_metadata)
+            if self._durable is not None:
+                self._durable.offer(step, force=preempted)  # drained once committed
         if preempted:
             self._preempted_step = step  # what the job resumes from: retention keeps it
             self.wait_until_finished()
@@ -457,10 +534,12 @@ class CheckpointManager:
         ready = threading.Event()
         try:
             with self._driver.saving() as measured:
-                self.orbax.wait_until_finished()  # a still-running save is a real stall: timed
-                self._apply_retention()
-                self._collect_garbage()
-                self._clear_uncommitted(step)
+                self._wait()  # a still-running save is a real stall: timed
+                self._settle()
+                with naming(self._step_dir(step), self._paths):
+                    self._apply_retention()
+                    self._collect_garbage()
+                    self._clear_uncommitted(step)
                 if not self._async:
                     # A synchronous Orbax save waits for every item, the policy item included,
                     # so that item records the cost measured so far; the policy itself is fed
@@ -471,15 +550,17 @@ class CheckpointManager:
                     build=lambda: self._driver.to_json(snapshot, cost_s=measured["cost_s"]),
                     ready=ready,
                 )
-                self.orbax.save(
-                    step,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
-                    ),
-                    custom_metadata=custom_metadata,
-                    force=True,
-                )
+                with naming(self._step_dir(step), self._paths):
+                    self.orbax.save(
+                        step,
+                        args=ocp.args.Composite(
+                            **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
+                        ),
+                        custom_metadata=custom_metadata,
+                        force=True,
+                    )
                 self._latest_saved = step
+                self._save_started = True  # until a wait says whether it committed
         finally:
             ready.set()
 
@@ -487,13 +568,14 @@ class CheckpointManager:
         """Deletes the committed steps best-N does not keep (every process, same decision)."""
         if self._best is None or self._read_only:
             return
-        steps = self.all_steps()
+        steps = self._local_steps()
+        pinned = self._durable.pinned() if self._durable is not None else set()
         for step in steps:
             if step not in self._metrics:
                 self._metrics[step] = self.orbax.metrics(step)  # from disk: one truth for all
         for step in self._best.to_delete({s: self._metrics[s] for s in steps}):
-            if step == self._preempted_step:
-                continue  # even with keep_latest=0: the job resumes from it
+            if step == self._preempted_step or step in pinned:
+                continue  # the job resumes from it even with keep_latest=0; the drain reads it
             self.orbax.delete(step)
             self._committed.discard(step)
             del self._metrics[step]
@@ -510,10 +592,26 @@ class CheckpointManager:
             entry.rename(target)
             self._uncommitted.remove(entry)
 
+    @property
+    def _paths(self) -> tuple[Path, ...]:
+        """Where this manager writes: an error naming any path below these says where it is."""
+        return (self._directory, *self._roots)
+
+    def _step_dir(self, step: int | None) -> Path:
+        return self._directory if step is None else self._directory / str(step)
+
+    def _wait(self) -> None:
+        """Waits for the running save; its errors (every one, once) name a path."""
+        started, self._save_started = self._save_started, False
+        wait(self.orbax, self._step_dir(self._latest_saved), self._paths)
+        if started:
+            self._history.recorded()  # a save of this run committed, with the job's failures
+
     def _collect_garbage(self) -> None:
-        """Empties the trash and removes unreferenced stripes (primary writer only)."""
+        """Empties the trash, removes unreferenced stripes, retries failed deletions of steps."""
         if not self._read_only and self._primary:
             collect_garbage(self._directory, self._stripe_roots)
+            retry_deletions(self.orbax, self._directory)
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -525,11 +623,16 @@ class CheckpointManager:
         fallback: bool = False,
         extra: dict[str, Any] | None = None,
         partial: bool = False,
+        tier: str | None = None,
     ):
         """Restores a step's state and continues the policy schedule from that step.
 
+        With a durable tier, a step may have two copies: the local one is read first. A
+        durable copy is read straight from the durable tier (the pieces the target needs,
+        through TensorStore; the small items are downloaded and checked first).
+
         Args:
-          step: the step; None for the latest.
+          step: the step; None for the newest step of the tiers asked for.
           target: an abstract tree (``jax.ShapeDtypeStruct`` with shardings, or arrays) giving
             the structure, dtypes and placement; None restores as saved.
           fallback: if the step is damaged, restore the newest older step that is intact
@@ -538,6 +641,14 @@ class CheckpointManager:
             args (``ocp.args.JsonRestore()``, ``grain.checkpoint.CheckpointRestore(iterator)``).
           partial: ``target`` may be any sub-tree of the saved state (e.g. only the
             parameters); the leaves it omits are not read.
+          tier: ``"local"`` or ``"durable"`` to read only that tier's copies; ``None``
+            (default) reads either, local first.
+
+        A read-only manager may restore while a writer in another process saves and deletes
+        old steps (``max_to_keep``): what it returns is always one complete step, never a mix.
+        When the step being read is deleted under it, ``restore()`` (the newest step) starts
+        again with the newest step (up to 8 times, then ``StepDeletedError``), and
+        ``restore(step)`` raises ``StepDeletedError``.
 
         Returns:
           The restored state; ``(state, extra)`` when ``extra`` is given, ``extra`` a dict of
@@ -546,11 +657,12 @@ class CheckpointManager:
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: no such committed step (the message lists the available ones).
+          StepDeletedError: the step (a ``FileNotFoundError``) was deleted while it was read.
           KeyError: an ``extra`` item was not saved with the step (Orbax's error, listing the
             step's items).
           ValueError: ``target`` does not match the saved tree (names the leaf; with
             ``partial``, a target leaf that was never saved), ``partial`` without a target,
-            or a reserved ``extra`` name.
+            a reserved ``extra`` name, or an unknown ``tier`` (or ``"durable"`` without one).
           TypeError: an ``extra`` args type is unknown to Orbax (names the key).
           cocijax.storage.CorruptCheckpointError: the step is damaged (and ``fallback`` is
             False or no intact older step exists).
@@ -561,39 +673,33 @@ class CheckpointManager:
             raise ValueError(
                 "restore: partial=True needs a target, the sub-tree of the saved state to read."
             )
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"restore: no committed step in {self._directory}.")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"restore: step {step} is not a committed step in {self._directory} "
-                f"(committed: {steps})."
-            )
-        candidates = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
-        skipped: list[int] = []
-        for candidate in candidates:
+        args = {STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
+        newest = step is None
+        for attempt in range(_DELETED_RETRIES + 1):
+            candidates = self._copies(step, tier, fallback=fallback)
             try:
-                restored = self.orbax.restore(
-                    candidate,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
-                    ),
+                (candidate, where), restored = self._restore_first(
+                    candidates, args, fallback=fallback
                 )
-            except (storage.CorruptCheckpointError, storage.CheckpointFormatError) as e:
-                if not fallback or candidate == candidates[-1]:
-                    if skipped:
-                        e.add_note(f"restore: also damaged, skipped: steps {skipped}")
-                    raise
-                warnings.warn(
-                    f"restore: skipping damaged step {candidate}: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                skipped.append(candidate)
-                continue
-            self._load_policy(candidate)
+            except _Deleted as deleted:
+                if newest and attempt < _DELETED_RETRIES:
+                    log.info(
+                        "restore: step %d was deleted while it was read; retrying with the "
+                        "newest step",
+                        deleted.step,
+                    )
+                    continue
+                raise StepDeletedError(
+                    f"restore: step {deleted.step} in {self._directory} was deleted while it was "
+                    "read (the writer's retention or delete)"
+                    + (
+                        f", {attempt + 1} times in a row: the writer deletes steps faster than "
+                        "this reader reads them."
+                        if newest
+                        else f"; committed now: {self.all_steps()}."
+                    )
+                ) from deleted.__cause__
+            self._load_policy(candidate, where=where)
             self._restored_step = candidate
             self._pending_loss = None
             self._driver.restart_timing()
@@ -601,9 +707,73 @@ class CheckpointManager:
             if extra is None:
                 return restored[STATE_ITEM]
             return restored[STATE_ITEM], {name: restored[name] for name in items}
-        raise AssertionError("unreachable: the last candidate returns or raises")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _load_policy(self, step: int, *, history: bool = False) -> None:
+    def _restore_first(
+        self, copies: list[tuple[int, str]], args: dict[str, Any], *, fallback: bool
+    ) -> tuple[tuple[int, str], Any]:
+        """Restores the first copy that is intact (with ``fallback``) or the first one.
+
+        Raises:
+          _Deleted: a local copy's directory vanished while it was read (a writer deleted it).
+        """
+        skipped: list[str] = []
+        for step, where in copies:
+            try:
+                return (step, where), self._restore_items(step, where, args)
+            except Exception as e:
+                # A writer renames a step out of the directory before it removes any of its
+                # data, so data missing under a step directory that is still there is damage.
+                if (
+                    where == "local"
+                    and not (self._directory / self._name_format.build_name(step)).exists()
+                ):
+                    raise _Deleted(step) from e
+                if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
+                    if skipped:
+                        e.add_note(f"restore: also damaged, skipped: {', '.join(skipped)}")
+                    raise
+                what = f"step {step}" + (f" ({where} copy)" if self._durable else "")
+                warnings.warn(
+                    f"restore: skipping damaged {what}: {e}", RuntimeWarning, stacklevel=3
+                )
+                skipped.append(what)
+        raise AssertionError("unreachable: the last copy returns or raises")
+
+    def _copies(
+        self, step: int | None, tier: str | None, *, fallback: bool
+    ) -> list[tuple[int, str]]:
+        """The copies ``restore`` tries in turn: ``(step, "local" | "durable")``."""
+        if tier not in (None, "local", "durable"):
+            raise ValueError(f"restore: tier must be None, 'local' or 'durable', got {tier!r}.")
+        if tier == "durable" and self._durable is None:
+            raise ValueError("restore: tier='durable', but this manager has no durable tier.")
+        local = self._local_steps() if tier != "durable" else []
+        durable = self._durable.steps() if self._durable is not None and tier != "local" else []
+        steps = sorted(set(local) | set(durable))
+        where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"restore: no committed step in {where}.")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"restore: step {step} is not a committed step in {where} (committed: "
+                f"{steps}{f'; on the durable tier: {durable}' if durable else ''})."
+            )
+        order = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
+        copies = [
+            (s, t) for s in order for t, ts in (("local", local), ("durable", durable)) if s in ts
+        ]
+        return copies if fallback else copies[:1]
+
+    def _restore_items(self, step: int, where: str, items: dict[str, Any]) -> Any:
+        """Orbax's restore of ``items`` from the local or the durable copy of ``step``."""
+        if where == "local":
+            return self.orbax.restore(step, args=ocp.args.Composite(**items))
+        return self._durable.restore(step, items)
+
+    def _load_policy(self, step: int, *, history: bool = False, where: str = "local") -> None:
         """Adopts the policy state saved with ``step`` (and, when asked, the job history).
 
         A policy state saved by another policy cannot be continued: the policy starts fresh,
@@ -611,12 +781,13 @@ class CheckpointManager:
         """
         if self._read_only:
             return  # a reader never saves: the schedule is of no use to it
+        copy = where
         where = self._directory / self._name_format.build_name(step) / POLICY_ITEM
+        if copy == "durable":
+            where = self._durable.root / str(step) / POLICY_ITEM
         try:
-            data = self.orbax.restore(
-                step, args=ocp.args.Composite(**{POLICY_ITEM: PolicyStateRestore()})
-            )[POLICY_ITEM]
-        except (ValueError, OSError, KeyError) as e:
+            data = self._restore_items(step, copy, {POLICY_ITEM: PolicyStateRestore()})[POLICY_ITEM]
+        except (ValueError, OSError, KeyError, storage.CorruptCheckpointError) as e:
             self._warn_policy(f"the policy state of step {step} cannot be read ({e})")
             return
         if history:
@@ -641,7 +812,7 @@ class CheckpointManager:
     # -- delete, wait, close ----------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Deletes a committed step and, with external roots, its stripes.
+        """Deletes a committed step and, with external roots, its stripes (on both tiers).
 
         Raises:
           ManagerClosedError: the manager was closed.
@@ -653,35 +824,77 @@ class CheckpointManager:
                 f"delete: step {step} is not a committed step in {self._directory} "
                 f"(committed: {self.all_steps()})."
             )
-        self.orbax.wait_until_finished()
-        self.orbax.delete(step)
+        self._wait()
+        self._settle()
+        if self._durable is not None:
+            self._durable.wait(raise_errors=False)  # a drain of this step ends first
+            if step in self._durable.steps():
+                self._durable.delete(step)
+        if step in self._local_steps():
+            self.orbax.delete(step)
         self._committed.discard(step)
         self._latest_saved = self.latest_step()
         self._collect_garbage()
 
-    def wait_until_finished(self) -> None:
-        """Blocks until the running save is committed (re-raises its error), then collects."""
+    def wait_until_finished(self, *, durable: bool = False) -> None:
+        """Blocks until the running save is committed (re-raises its error), then collects.
+
+        Args:
+          durable: also wait until the committed steps handed to the durable tier are drained
+            (or skipped for a newer one), and raise the first drain error since the last call.
+
+        Raises:
+          DurableTierError: with ``durable``, a drain failed (names the step and the URL).
+        """
         self._check_open()
-        self.orbax.wait_until_finished()
-        self.orbax.check_for_errors()
-        self._apply_retention()
-        self._collect_garbage()
+        self._wait()
+        self._settle()
+        try:
+            if durable and self._durable is not None:
+                self._durable.wait(raise_errors=True)
+        finally:
+            # After the drains: best-N no longer keeps the steps they pinned.
+            with naming(self._directory, self._paths):
+                self._apply_retention()
+                self._collect_garbage()
+
+    def _settle(self) -> None:
+        """Tells the drain that no local save is in flight (the manager waited for it)."""
+        if self._durable is not None:
+            self._durable.settle()
 
     def close(self) -> None:
-        """Waits for the running save, collects garbage, closes Orbax and releases the lock."""
+        """Waits for the running save, collects garbage, closes Orbax and releases the lock.
+
+        Each of these runs whatever the ones before it raised (a failed save, an I/O error),
+        so the lock is always released and the previous signal handlers are always back; the
+        first error is raised afterwards (the others as notes), naming a path. The running
+        marker is removed (a clean end) unless the previous run's failure is not recorded by
+        any committed save of this run yet; a marker that cannot be removed is named in the
+        error, and the next open counts it as one failure.
+
+        Raises:
+          Exception: the first error of the above (a failed save's, with the path it names).
+        """
         if self._closed:
             return
-        try:
-            self.orbax.wait_until_finished()  # re-raises a failed save: close all the same
-            self._apply_retention()
-            self._collect_garbage()
-        finally:
-            try:
+        self._closed = True
+
+        def finish() -> None:
+            self._wait()  # re-raises a failed save: close all the same
+            with naming(self._directory, self._paths):
+                self._apply_retention()
+                self._collect_garbage()
+
+        def close_orbax() -> None:
+            with naming(self._directory, self._paths):
                 self.orbax.close()
-            finally:
-                self._closed = True
-                self._preemption.uninstall()
-                self._release()
+
+        def close_durable() -> None:
+            if self._durable is not None:
+                self._durable.close()  # the last drain ends; its errors were logged
+
+        run_all(finish, close_orbax, close_durable, self._preemption.uninstall, self._release)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -702,6 +915,23 @@ class CheckpointManager:
                 self._lock.release()
         except Exception:
             pass
+
+
+def _nothing() -> None:
+    pass
+
+
+_DAMAGE = (storage.CorruptCheckpointError, storage.CheckpointFormatError)
+# How often ``restore()`` retries with the newest step when the one it reads is deleted.
+_DELETED_RETRIES = 8
+
+
+class _Deleted(Exception):
+    """A step vanished while it was restored (internal: becomes a retry or StepDeletedError)."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
 
 
 def _watcher(signals: tuple[signal.Signals, ...], directory: Path) -> PreemptionWatcher:

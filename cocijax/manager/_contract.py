@@ -27,6 +27,7 @@ newest ``keep_latest`` steps are never dropped) and turn preemption signals into
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -35,6 +36,8 @@ __all__ = [
     "ManagerClosedError",
     "ManagerProtocol",
     "Measurements",
+    "StepDeletedError",
+    "check_extra_names",
     "check_step",
     "check_step_order",
 ]
@@ -42,6 +45,15 @@ __all__ = [
 
 class DirectoryLockedError(RuntimeError):
     """Another manager (in this or another process) writes to the directory."""
+
+
+class StepDeletedError(FileNotFoundError):
+    """A step was deleted (by the writer's retention or ``delete``) while it was being read.
+
+    Raised by a reader's ``restore(step)`` of that very step; ``restore()`` of the newest step
+    retries with the newest one instead. A ``FileNotFoundError``, like asking for a step that
+    is not there.
+    """
 
 
 class ManagerClosedError(ValueError, RuntimeError):
@@ -67,6 +79,8 @@ class Measurements(NamedTuple):
         own ``mtbf_s`` uses that instead).
       recovery_s: the recovery time it was given, measured (NaN before the first restore).
       failures: failures of the job so far, as the directory recorded them.
+      drain_s: how long the last drain to the durable tier took, from the local commit to the
+        durable manifest (NaN without a durable tier or before the first drain).
     """
 
     step_time_s: float
@@ -76,6 +90,7 @@ class Measurements(NamedTuple):
     mtbf_s: float = math.nan
     recovery_s: float = math.nan
     failures: int = 0
+    drain_s: float = math.nan
 
 
 def check_step(step: Any) -> int:
@@ -91,6 +106,41 @@ def check_step(step: Any) -> int:
     if step < 1:
         raise ValueError(f"step: must be >= 1 (completed training steps), got {step}.")
     return step
+
+
+def check_extra_names(extra: Any, *, reserved: Sequence[str], expected: str) -> Mapping:
+    """The ``extra`` argument of a manager's ``save``/``restore``, its names checked.
+
+    One rule for both managers: a mapping with string keys, none of them a name the manager
+    gives its own items. What each value must be is the manager's own check.
+
+    Args:
+      extra: ``None`` or the mapping given.
+      reserved: the names of the manager's own items.
+      expected: what the values should be, for the error message.
+
+    Returns:
+      ``extra`` (an empty dict for ``None``).
+
+    Raises:
+      TypeError: ``extra`` is not a mapping, or a name is not a string.
+      ValueError: a name is reserved.
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"extra: expected a dict of item names to {expected}, got {type(extra).__name__}."
+        )
+    for name in extra:
+        if not isinstance(name, str):
+            raise TypeError(f"extra: item names must be strings, got {name!r}.")
+        if name in reserved:
+            raise ValueError(
+                f"extra[{name!r}]: the name is reserved for the manager's own items "
+                f"({', '.join(reserved)}); choose another."
+            )
+    return extra
 
 
 def check_step_order(step: int, latest_saved: int | None, previous: int | None, where) -> None:

@@ -11,6 +11,8 @@ and valid.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from cocijax import storage
+from cocijax.manager._contract import check_extra_names
+from cocijax.manager._durable import DurableRenameTemporaryPath
 
 __all__ = [
     "METRICS_ITEM",
@@ -55,6 +59,30 @@ def is_committed(step_dir: Path) -> bool:
     return True
 
 
+def list_committed(directory: Path, known: frozenset[int] = frozenset()) -> list[int]:
+    """The committed steps of ``directory``, listed while a writer may be changing it.
+
+    A writer commits a new step (renames it into place) before it renames an old one away, but
+    a listing is taken first and checked after: a step that vanishes in between may hide a
+    newer one the listing predates. So when a listed step vanishes, the directory is listed
+    again (a few times at most). ``known`` steps are committed already: their existence is
+    checked, not their manifest.
+    """
+    steps: list[int] = []
+    for _ in range(8):
+        names = [name for name in os.listdir(directory) if STEP_RE.match(name)]
+        steps, vanished = [], False
+        for name in names:
+            path = directory / name
+            if path.exists() if int(name) in known else is_committed(path):
+                steps.append(int(name))
+            elif not path.exists():
+                vanished = True
+        if not vanished:
+            break
+    return sorted(steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class CommittedStepFormat:
     """Orbax ``NameFormat`` that lists only steps with a valid cocijax manifest.
@@ -69,20 +97,61 @@ class CommittedStepFormat:
         return self.inner.build_name(step)
 
     def find_all(self, base_path: Any) -> Iterator[Any]:
-        return (m for m in self.inner.find_all(base_path) if is_committed(Path(m.path)))
+        for metadata in self.inner.find_all(base_path):
+            if not is_committed(Path(metadata.path)):
+                continue
+            try:
+                # Read now: Orbax reads it later, when a writer may have deleted the step.
+                committed_at = metadata.commit_timestamp
+            except (FileNotFoundError, NotADirectoryError):
+                # Deleted since it was listed. Orbax checks that the step exists, then that it
+                # is a directory: a step removed in between is "not a directory" to it.
+                if Path(metadata.path).is_dir():
+                    raise
+                continue
+            yield _ListedStep(metadata.step, metadata.path, committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
-        metadata = self.inner.find_step(base_path, step)
+        try:
+            metadata = self.inner.find_step(base_path, step)
+        except ValueError as e:
+            raise _NoSuchStep(f"{e} (deleted, or never committed)") from e
         if not is_committed(Path(metadata.path)):
-            raise ValueError(f"{metadata.path}: step {step} has no valid cocijax manifest.")
+            raise _NoSuchStep(f"{metadata.path}: step {step} has no valid cocijax manifest.")
         return metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _ListedStep(ocp.path.step.Metadata):
+    """A step as listed, with its commit time read while it was there.
+
+    Orbax's own metadata reads the commit time when asked (the step directory's mtime when its
+    metadata file has none), and a reader opening while the writer deletes a step it has just
+    listed failed with ``FileNotFoundError``.
+    """
+
+    committed_at: datetime.datetime
+
+    @property
+    def commit_timestamp(self) -> datetime.datetime:
+        return self.committed_at
+
+
+class _NoSuchStep(FileNotFoundError, ValueError):
+    """No committed step of that number: Orbax's ``find_step`` raises a ``ValueError``.
+
+    Also a ``FileNotFoundError``, which is what Orbax's metrics reader expects of a missing
+    step: a read-only manager that opens while the writer deletes a step it has just listed
+    then opens without that step's metrics, instead of failing with the ``ValueError``.
+    """
 
 
 def check_layout(directory: Path) -> list[Path]:
     """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
 
     Allowed: step directories holding a ``state`` item, Orbax temporary directories, and hidden
-    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder).
+    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder). An
+    entry that vanishes while it is looked at was deleted by a writer: it is skipped.
     """
     uncommitted = []
     for entry in sorted(directory.iterdir()):
@@ -90,13 +159,15 @@ def check_layout(directory: Path) -> list[Path]:
         if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
-            if not (entry / STATE_ITEM).is_dir():
+            if not (entry / STATE_ITEM).is_dir() and entry.exists():
                 raise ValueError(
                     f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
                     "item; it was not written by cocijax. Use an empty or cocijax-only directory."
                 )
-            if not is_committed(entry):
+            if not is_committed(entry) and entry.exists():
                 uncommitted.append(entry)
+            continue
+        if not os.path.lexists(entry):
             continue
         raise ValueError(
             f"directory: {entry} was not written by cocijax (expected only step directories). "
@@ -135,6 +206,8 @@ def merge_options(
             )
     return dataclasses.replace(
         options,
+        # Orbax's commit fsyncs nothing; a user's own temporary-path class is kept as given.
+        temporary_path_class=options.temporary_path_class or DurableRenameTemporaryPath,
         step_name_format=CommittedStepFormat(),
         cleanup_tmp_directories=not options.read_only,
         todelete_subdir=TRASH_DIR,
@@ -200,23 +273,11 @@ def check_extra(extra: Any, *, restoring: bool) -> dict[str, ocp.args.Checkpoint
       ValueError: a name is reserved (``state``, ``policy``, ``metrics``) or cannot be a
         directory name.
     """
-    if extra is None:
-        return {}
     verb = "restore" if restoring else "save"
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"extra: expected a dict of item names to Orbax CheckpointArgs (e.g. "
-            f"{{'config': ocp.args.Json{verb.title()}(...)}}), got {type(extra).__name__}."
-        )
+    example = f"Orbax CheckpointArgs (e.g. {{'config': ocp.args.Json{verb.title()}(...)}})"
+    extra = check_extra_names(extra, reserved=RESERVED_ITEMS, expected=example)
     items = {}
     for name, args in extra.items():
-        if not isinstance(name, str):
-            raise TypeError(f"extra: item names must be strings, got {name!r}.")
-        if name in RESERVED_ITEMS:
-            raise ValueError(
-                f"extra[{name!r}]: the name is reserved for the manager's own items "
-                f"({', '.join(RESERVED_ITEMS)}); choose another."
-            )
         if not name or name.startswith(".") or "/" in name or TMP_MARK in name:
             raise ValueError(
                 f"extra[{name!r}]: an item name becomes a directory inside the step: it must "

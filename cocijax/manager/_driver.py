@@ -137,6 +137,9 @@ class PolicyDriver:
       broadcast: makes the measured inputs of every process equal before the policy sees them
         (see :class:`cocijax.policies.Runner`); default: JAX's broadcast from process 0. The
         PyTorch manager passes its process group's.
+      compile_now: start compiling the policy's update in the background at once (see
+        :meth:`cocijax.policies.Runner.compile`); a read-only manager, which never decides,
+        passes False.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -157,13 +160,15 @@ class PolicyDriver:
         cost_from_intervals: bool = False,
         save_final_step: bool = False,
         broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
+        compile_now: bool = True,
     ):
         check_policy(policy)
         self.policy = policy
         self.runner = Runner(policy, broadcast=broadcast)
-        # Now, so that no training step is charged for it, and in a thread: a restarted job
-        # restores and compiles its training step meanwhile (measured in chaos_bench).
-        self.runner.compile(background=True)
+        if compile_now:
+            # Now, so that no training step is charged for it, and in a thread: a restarted
+            # job restores and compiles its training step meanwhile (measured in chaos_bench).
+            self.runner.compile(background=True)
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).
         self._final_step = getattr(policy, "total_steps", None) if save_final_step else None
@@ -313,7 +318,9 @@ class PolicyDriver:
         initial = self.policy.init()
         template, treedef = jax.tree_util.tree_flatten_with_path(initial)
         paths = [jax.tree_util.keystr(path) for path, _ in template]
-        entries = data["policy_state"]
+        entries = data.get("policy_state")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError(f"{where}: the policy state on disk is not a list of leaves.")
         state_type = type(initial).__name__
         if data.get("state_type", state_type) != state_type:  # /1 did not record it
             raise ValueError(
@@ -335,16 +342,20 @@ class PolicyDriver:
                 f"{where}: the policy state on disk has {len(entries)} leaves, this policy "
                 f"{len(template)}: it was saved by another policy or an older cocijax"
             )
-        # Fields added to the policy since the state was saved keep their initial values.
-        leaves = [
-            _decode(by_path[path], like, f"{where} (leaf {path})") if path in by_path else like
-            for path, (_, like) in zip(paths, template, strict=True)
-        ]
+        # Everything is decoded before anything is adopted: a damaged file changes nothing.
+        try:
+            # Fields added to the policy since the state was saved keep their initial values.
+            leaves = [
+                _decode(by_path[path], like, f"{where} (leaf {path})") if path in by_path else like
+                for path, (_, like) in zip(paths, template, strict=True)
+            ]
+            step = None if data["step"] is None else int(data["step"])
+            times = [float(data[name]) for name in ("step_time_s", "cost_s", "loss")]
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:
+            raise ValueError(f"{where}: the policy state on disk is malformed ({e!r})") from e
         self.runner.state = jax.tree.unflatten(treedef, leaves)
-        self.step = None if data["step"] is None else int(data["step"])
-        self.step_time_s = float(data["step_time_s"])
-        self.cost_s = float(data["cost_s"])
-        self.loss = float(data["loss"])
+        self.step = step
+        self.step_time_s, self.cost_s, self.loss = times
 
     def load_history(self, data: dict[str, Any] | None) -> None:
         """Adopts the job history saved with a checkpoint (any policy's: it is the job's)."""

@@ -22,7 +22,7 @@ __all__ = ["collect_garbage"]
 log = logging.getLogger(__name__)
 
 
-def collect_garbage(directory: Path, stripe_roots: Sequence[Path]) -> None:
+def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPath]) -> None:
     """Empties the trash and removes the stripe directories no step directory references.
 
     Call it only on the primary process and only while no save is in flight (the caller has
@@ -41,10 +41,14 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path]) -> None:
             shutil.rmtree(entry, ignore_errors=True)
     if not stripe_roots:
         return
+    # Orbax renamed the dropped steps into the trash without syncing: make that durable before
+    # their stripes go, or after a power loss a step could be listed again without its data
+    # (found by tests/reliability/test_power_loss.py).
+    storage.fsync_dir(directory)
     items = [e / STATE_ITEM for e in directory.iterdir() if STEP_RE.match(e.name)]
     garbage = storage.unreferenced_stripe_dirs(stripe_roots, items)
     if garbage is None:
         return  # a step whose stripes are unknown: removing any could lose its data
     for stripe_dir in garbage:
         log.info("removing unreferenced stripe directory %s", stripe_dir)
-        shutil.rmtree(stripe_dir, ignore_errors=True)
+        storage.remove_tree(stripe_dir)  # a local directory, or every object of an S3 prefix

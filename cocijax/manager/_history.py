@@ -6,7 +6,10 @@ either. The directory can tell:
 * **Failures.** A writer marks the directory as running when it opens (``.cocijax-running``)
   and clean when it closes. Opening a directory whose marker is still there means the previous
   run did not close: one failure (a crash, a kill, a preemption without a clean exit). A marker
-  that cannot be read counts as one failure too, with a warning.
+  that cannot be read counts as one failure too, with a warning. Such a failure lives on disk
+  only in the marker until a checkpoint records it, so a run that closes before any of its
+  saves has committed leaves the marker in place: the next run counts the same failure (once)
+  instead of forgetting it.
 * **Uptime.** Each checkpoint records the job's training time so far (previous runs' plus this
   run's, measured with a monotonic clock, so a wall clock going backwards never subtracts);
   a crashed run's time after its last save is not known and is not counted (which errs towards
@@ -77,11 +80,12 @@ class RunHistory:
         self._session_start = self._opened - (opened_at_age_s or 0.0)
         self._saved_uptime_s = 0.0  # uptime of previous runs, from the newest checkpoint
         self._unclean = False
+        self._unrecorded = False  # the marker's failure is in no committed checkpoint yet
         self.failures = 0
         self.recovery_s = math.nan
         self._recovering = False
         if writer:
-            self._unclean = self._read_marker()
+            self._unclean = self._unrecorded = self._read_marker()
             self._write_marker()
 
     def _read_marker(self) -> bool:
@@ -151,16 +155,28 @@ class RunHistory:
             "recovery_s": None if math.isnan(self.recovery_s) else self.recovery_s,
         }
 
+    def recorded(self) -> None:
+        """A checkpoint saved by this run has committed: the failures it carries are on record."""
+        self._unrecorded = False
+
     def close(self) -> None:
-        """Marks the directory clean: this run did not fail."""
+        """Marks the directory clean: this run did not fail.
+
+        The marker stays when the previous run's failure is not recorded yet (no save of this
+        run committed): the next run counts that failure, once.
+
+        Raises:
+          OSError: the marker cannot be removed (names it); the next run will count one failure.
+        """
         if self._writer:
-            self._marker.unlink(missing_ok=True)
             self._writer = False
+            if not self._unrecorded:
+                self._marker.unlink(missing_ok=True)
 
 
 def _non_negative(value: Any, default: float) -> float:
     try:
         v = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond floats
         return default
     return v if math.isfinite(v) and v >= 0 else default

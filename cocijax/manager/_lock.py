@@ -53,8 +53,10 @@ class DirectoryLock:
         self._fd = fd
 
     def release(self) -> None:
-        """Releases the lock (no-op if not held)."""
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        """Releases the lock (no-op if not held); closing the descriptor releases it anyway."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)

@@ -20,6 +20,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from cocijax.storage import DIGEST_KEY, check_digest, with_digest
+
 __all__ = ["PolicyStateHandler", "PolicyStateRestore", "PolicyStateSave"]
 
 FILENAME = "policy_state.json"
@@ -46,7 +48,8 @@ class PolicyStateHandler(ocp.AsyncCheckpointHandler):
             raise TimeoutError(f"{directory}: the policy state was never completed by the manager.")
         if not ocp.multihost.is_primary_host(self._primary_host):
             return
-        text = json.dumps(args.build())
+        # With a digest of its own, so that a damaged file is refused, not half believed.
+        text = json.dumps(with_digest(args.build()))
         path = os.path.join(os.fspath(directory), FILENAME)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -74,16 +77,23 @@ class PolicyStateHandler(ocp.AsyncCheckpointHandler):
 
         Raises:
           FileNotFoundError: the file is missing.
-          ValueError: the file is not valid JSON (the message names it).
+          ValueError: the file is not a JSON object, or does not match its digest (the
+            message names it).
         """
         del args
         path = epath.Path(directory) / FILENAME
         if not path.exists():
             raise FileNotFoundError(f"{path}: policy state file is missing.")
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_text())
+        except (ValueError, RecursionError) as e:  # not JSON, too deep, a 4300-digit integer
             raise ValueError(f"{path}: policy state is not valid JSON ({e}).") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: policy state is not a JSON object.")
+        if not check_digest(data):
+            raise ValueError(f"{path}: policy state does not match its digest (damaged).")
+        data.pop(DIGEST_KEY, None)
+        return data
 
     @classmethod
     def typestr(cls) -> str:

@@ -6,11 +6,18 @@ This package owns everything about those files; the names below are all that cod
 uses: the handler and its args, reading and verifying what it wrote (:func:`read_manifest`,
 :func:`verify`), and what a manager needs to refuse a tree before saving it
 (:func:`check_tree`), to collect the stripes no step references
-(:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`)
-and to make a rename durable (:func:`fsync_dir`).
+(:func:`unreferenced_stripe_dirs`, :func:`referenced_stripe_dirs`, :func:`find_stripe_dirs`),
+to make a rename or a new directory durable (:func:`fsync_dir`, :func:`make_dirs`), and the
+digest a JSON document carries of itself (:func:`with_digest`, :func:`check_digest`), which the
+manifest and the manager's policy item share. Roots and items may be on object stores
+(:class:`KvPath`: ``s3://``, ``gs://`` through TensorStore's kvstores); :func:`copy_item`
+copies a committed item there, every checksum checked, its manifest last.
 """
 
+from cocijax.storage._copy import CopyStats, copy_item
+from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
+from cocijax.storage._kvpath import KvPath, is_url
 from cocijax.storage._manifest import (
     MANIFEST_NAME,
     STRIPE_PREFIX,
@@ -23,18 +30,24 @@ from cocijax.storage._manifest import (
     check_tree,
     find_stripe_dirs,
     fsync_dir,
+    make_dirs,
     read_manifest,
     referenced_stripe_dirs,
+    remove_tree,
     unreferenced_stripe_dirs,
+    write_manifest,
 )
 from cocijax.storage._read import verify
 from cocijax.storage._tree import UnsupportedLeafError
 
 __all__ = [
+    "DIGEST_KEY",
     "MANIFEST_NAME",
     "STRIPE_PREFIX",
     "CheckpointFormatError",
+    "CopyStats",
     "CorruptCheckpointError",
+    "KvPath",
     "LeafRecord",
     "Manifest",
     "PieceRecord",
@@ -43,11 +56,18 @@ __all__ = [
     "StripedRestore",
     "StripedSave",
     "UnsupportedLeafError",
+    "check_digest",
     "check_tree",
+    "copy_item",
     "find_stripe_dirs",
     "fsync_dir",
+    "is_url",
+    "make_dirs",
     "read_manifest",
     "referenced_stripe_dirs",
+    "remove_tree",
     "unreferenced_stripe_dirs",
     "verify",
+    "with_digest",
+    "write_manifest",
 ]

@@ -3,11 +3,12 @@
 Only the device-to-host snapshot blocks ``save``: ``async_save`` copies every replica-0 shard
 to page-aligned host memory exactly once and returns an Orbax commit future that, once Orbax has
 created the item directory, writes the pieces (all roots in parallel), fsyncs them and their
-directories, and then writes this process's manifest part. TensorStore creates every zarr array
-and writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
-``_direct``. ``finalize`` (primary process, after every process committed) merges the parts into
-the manifest. By itself the handler is not atomic: Orbax's temporary-directory rename makes the
-item appear, and the manifest marks it complete.
+directories, and then writes the manifest (with several processes, this process's part of it).
+TensorStore writes compressed pieces; uncompressed chunk files are written with ``O_DIRECT`` by
+``_direct``, beside the ``zarr.json`` TensorStore made for them. ``finalize`` (primary process,
+after every process committed) merges the parts into the manifest. By itself the handler is not
+atomic: Orbax's temporary-directory rename makes the item appear, and the manifest marks it
+complete.
 
 Each save writes under a fresh ``cocijax-stripe-<uuid4>`` directory on every root, so saves (and
 processes) never share or overwrite a file. Design after FastPersist (Wang et al., 2024,
@@ -20,17 +21,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import tempfile
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
@@ -39,7 +41,17 @@ from orbax.checkpoint import options as options_lib
 # (what `CheckpointManager.item_metadata` expects): the one private import left here.
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
-from cocijax.storage import _direct, _io, _layout, _manifest, _restore, _snapshot, _write
+from cocijax.storage import (
+    _direct,
+    _io,
+    _kvpath,
+    _layout,
+    _manifest,
+    _restore,
+    _snapshot,
+    _write,
+)
+from cocijax.storage._kvpath import KvPath
 from cocijax.storage._manifest import Manifest, PieceRecord
 
 _MiB = 1 << 20
@@ -69,6 +81,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self,
         roots: Sequence[os.PathLike | str] = (),
         *,
+        root_options: Mapping[str, Any] | None = None,
         concurrency: int = 32,
         chunk_bytes: int = 16 * _MiB,
         piece_bytes: int = 64 * _MiB,
@@ -77,13 +90,22 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         compression_level: int = 3,
         checksums: bool = True,
         direct_writes: bool = True,
+        reuse_host_buffers: bool = True,
         multiprocessing_options: options_lib.MultiprocessingOptions | None = None,
     ):
         """Creates the handler and checks that every root can be written.
 
         Args:
-          roots: local directories to stripe over, created if missing; empty means the Orbax
-            item directory itself. Each is usually on its own device.
+          roots: where to stripe the pieces: local directories (plain paths or ``file://``
+            URLs, created if missing; each usually on its own device) and object-store
+            prefixes (``s3://bucket/prefix``, ``gs://bucket/prefix``). Empty means the Orbax
+            item directory itself.
+          root_options: TensorStore kvstore spec members for the object-store roots, e.g.
+            ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}`` for an
+            S3-compatible server, ``aws_credentials`` (``{"type": "profile", "profile":
+            "ci"}``; the default is TensorStore's chain: environment, profile, instance
+            metadata), ``requester_pays``, or ``context`` (e.g. ``s3_request_retries``).
+            Used for reading too (restore, metadata-free verify); never written to a manifest.
           concurrency: TensorStore ``file_io_concurrency``: file operations in flight.
           chunk_bytes: approximate size of one zarr chunk (one file) inside a piece.
           piece_bytes: largest piece (one zarr array); large arrays are split to this size.
@@ -93,26 +115,36 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           checksums: record xxh3_64 checksums at save and verify them at restore.
           direct_writes: write the chunk files of uncompressed pieces directly, with
             ``O_DIRECT`` where the file system allows it, instead of through TensorStore's
-            buffered writes (TensorStore still writes each piece's metadata; the files are the
-            same).
+            buffered writes (the files are the same).
+          reuse_host_buffers: keep the host copy's buffers after a save (until :meth:`close`)
+            and copy the next save of the same shapes into them: memory already faulted in
+            copies several times faster than fresh memory. The handler then holds one host
+            copy of this process's share of the last tree between saves; ``False`` frees it
+            after each save.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
 
         Raises:
-          TypeError: ``roots`` is a single string or path instead of a sequence.
-          ValueError: two roots are the same directory, a root cannot be created or written, or
-            an option is out of range.
+          TypeError: ``roots`` is a single string or path instead of a sequence, or
+            ``root_options`` is not a dict.
+          ValueError: two roots are the same directory, a root cannot be created or written
+            (on an object store: a probe object cannot be written and deleted), an unsupported
+            URL scheme, options TensorStore refuses, or an option is out of range.
         """
         if isinstance(roots, str | os.PathLike):
             raise TypeError(
                 f"roots must be a sequence of directories, got the single path {roots!r}; "
                 "write roots=[...]."
             )
-        resolved: list[pathlib.Path] = []
+        resolved: list[pathlib.Path | KvPath] = []
         for i, root in enumerate(roots):
-            path = pathlib.Path(root).expanduser().absolute()
-            _check_writable(path, f"roots[{i}]")
-            path = path.resolve()
+            path = _kvpath.location(root, root_options)
+            if isinstance(path, KvPath):
+                _check_writable_object_store(path, f"roots[{i}]")
+            else:
+                path = path.expanduser().absolute()
+                _check_writable(path, f"roots[{i}]")
+                path = path.resolve()
             if path in resolved:
                 raise ValueError(
                     f"roots[{i}]={str(root)!r} is the same directory as "
@@ -130,7 +162,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}.")
-        self._roots: tuple[pathlib.Path | None, ...] = tuple(resolved) or (None,)
+        self._roots: tuple[pathlib.Path | KvPath | None, ...] = tuple(resolved) or (None,)
+        self._root_options = root_options
         self._chunk_bytes = chunk_bytes
         self._piece_bytes = piece_bytes
         self._small_bytes = small_bytes
@@ -138,6 +171,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._compression_level = compression_level
         self._checksums = checksums
         self._direct_writes = direct_writes
+        self._reuse_host_buffers = reuse_host_buffers
+        self._buffers = _io.HostBuffers()
         self._concurrency = concurrency
         self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
         self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -166,8 +201,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._io_executor
 
     @property
-    def roots(self) -> tuple[pathlib.Path, ...]:
-        """The resolved roots; empty when data goes inside the item directory."""
+    def roots(self) -> tuple[pathlib.Path | KvPath, ...]:
+        """The resolved roots (``KvPath`` on object stores); empty: inside the item directory."""
         return tuple(r for r in self._roots if r is not None)
 
     @classmethod
@@ -189,8 +224,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             itself (``save(directory, tree)`` or ``save(directory, item=tree)``), is accepted.
 
         Returns:
-          One commit future; it writes the pieces, fsyncs them and writes this process's
-          manifest part.
+          One commit future; it writes the pieces, fsyncs them and writes the manifest (this
+          process's part of it, with several processes).
 
         Raises:
           UnsupportedLeafError: a leaf type or dtype is unsupported (names the key path; a
@@ -219,64 +254,102 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def _snapshot(self, item: Any) -> _snapshot.Snapshot:
         self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
-        return _snapshot.take(
-            item,
-            self._roots,
-            piece_bytes=self._piece_bytes,
-            small_bytes=self._small_bytes,
-            chunk_bytes=self._chunk_bytes,
-            write_numpy=jax.process_index() == (self._primary_host or 0),
-            pool=self._pool,
-            start_raw=self._start_raw,
-        )
+        with _io.pause_gc():
+            return _snapshot.take(
+                item,
+                self._roots,
+                piece_bytes=self._piece_bytes,
+                small_bytes=self._small_bytes,
+                chunk_bytes=self._chunk_bytes,
+                write_numpy=jax.process_index() == (self._primary_host or 0),
+                pool=self._pool,
+                start_raw=self._start_raw,
+                buffers=self._buffers,
+            )
 
     def _start_raw(
         self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
     ) -> list[concurrent.futures.Future] | None:
         """Starts the direct writes of ``piece``'s chunk files; ``None`` if it needs TensorStore."""
-        if not (self._direct_writes and self._compression is None and _direct.can_write_raw(data)):
+        if not (
+            self._direct_writes
+            and self._compression is None
+            and isinstance(stripe_dir, pathlib.Path)
+            and _direct.can_write_raw(data)
+        ):
             return None
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
+        array_dir = stripe_dir / piece.name
         rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
-        jobs = _direct.chunk_jobs(
-            stripe_dir / piece.name, data, rows, direct=self._direct_ok[piece.root]
-        )
+        # Not fsynced one by one: the commit fsyncs every file at once once all are written,
+        # which the file system commits together (each file's own fsync, while others were
+        # still being written, cost a journal commit of its own).
+        direct = self._direct_ok[piece.root]
+        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=direct, sync=False)
+        # The array's zarr.json: TensorStore's own bytes, made once per metadata in memory.
+        meta = memoryview(_write.metadata_file(self._spec(array_dir, piece)))
+        path = array_dir / _write.ZARR_JSON
+        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False, sync=False))
         return [self._io_pool.submit(job) for job in jobs]
+
+    def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
+        return _write.write_spec(
+            array_dir,
+            piece.dtype,
+            piece.shape,
+            chunk_bytes=self._chunk_bytes,
+            compression=self._compression,
+            compression_level=self._compression_level,
+        )
 
     async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
         loop = asyncio.get_running_loop()
         stripe = snapshot.stripe
         used = sorted({p.root for p in snapshot.pieces})
         stripe_dirs = {r: (self._roots[r] or directory) / stripe for r in used}
-        for d in stripe_dirs.values():
+        local = {r: d for r, d in stripe_dirs.items() if isinstance(d, pathlib.Path)}
+        for d in local.values():
             d.mkdir(exist_ok=True)
         sums: list[asyncio.Future] = []
         writes = []
         for piece in snapshot.pieces:
             data = snapshot.data(piece)
-            spec = _write.write_spec(
-                stripe_dirs[piece.root] / piece.name,
-                piece.dtype,
-                piece.shape,
-                chunk_bytes=self._chunk_bytes,
-                compression=self._compression,
-                compression_level=self._compression_level,
-            )
+            piece_dir = stripe_dirs[piece.root] / piece.name
             started = snapshot.early.get(piece.name)
             if started is None:
                 started = self._start_raw(stripe_dirs[piece.root], piece, data)
             if started is None:
-                writes.append(_write.write_piece(spec, data, self._context))
+                write = _write.write_piece(self._spec(piece_dir, piece), data, self._context)
             else:
-                writes.append(self._finish_raw(spec, started))
+                write = _io.gather_all(asyncio.wrap_future(f) for f in started)
+            writes.append(write)
             if self._checksums:
-                for member in snapshot.member_views(piece):
-                    sums.append(loop.run_in_executor(self._pool, _io.checksum, member))
-        await _io.gather_all(writes)
-        checks = iter(await _io.gather_all(sums))
-        await asyncio.gather(
-            *[loop.run_in_executor(self._pool, _write.fsync_tree, d) for d in stripe_dirs.values()]
+                # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
+                members = snapshot.member_views(piece)
+                sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
+        # Per piece, the files still to fsync (TensorStore fsynced those it wrote itself).
+        written = await _io.gather_all(writes)
+        checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
+        if self._reuse_host_buffers:
+            self._buffers.give_back(snapshot.owned)  # every write and checksum is done
+        # Local stripes are made durable with fsync: every file at once, then every directory
+        # that gained entries (piece directories, stripe directories and the roots holding
+        # them). On an object store a successful PUT is the promise, and one LIST checks that
+        # every object is there.
+        files = [path for paths in written if paths for path in paths]
+        await _io.gather_all(
+            loop.run_in_executor(self._io_pool, _direct.fsync_file, f) for f in files
+        )
+        dirs = {local[p.root] / p.name for p in snapshot.pieces if p.root in local}
+        dirs |= {*local.values(), *(d.parent for d in local.values())}
+        await _io.gather_all(
+            [loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs]
+            + [
+                _write.check_written(d, self._chunk_counts(snapshot.pieces, r))
+                for r, d in stripe_dirs.items()
+                if r not in local
+            ]
         )
         records = []
         for piece in snapshot.pieces:
@@ -301,22 +374,31 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             pieces=tuple(records),
             custom_metadata=snapshot.custom_metadata,
         )
-        # The part is the last thing written: it only names pieces that are already durable.
-        _manifest.write_json_durably(
-            _manifest.part_path(directory, jax.process_index()), part.to_json()
+        # The manifest (or part) is the last thing written: it only names durable pieces.
+        if jax.process_count() == 1:
+            # This process's part is the whole manifest: written as such, durably, it leaves
+            # ``finalize`` nothing to merge (no part written, read back and parsed again).
+            await loop.run_in_executor(self._pool, _manifest.write_manifest, directory, part)
+            return
+        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
+        # durably before Orbax commits the item, and an item a crash cut before that is not
+        # committed.
+        _manifest.replace_json(
+            _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
         )
 
-    async def _finish_raw(self, spec: dict[str, Any], started: list[concurrent.futures.Future]):
-        """TensorStore creates the zarr array (its metadata); its chunk files were started."""
-        try:
-            await ts.open(spec, context=self._context)
-        finally:
-            await _io.gather_all(asyncio.wrap_future(f) for f in started)
+    def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
+        return {
+            p.name: _write.chunk_count(p.shape, p.dtype.itemsize, self._chunk_bytes)
+            for p in pieces
+            if p.root == root
+        }
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
 
-        Orbax calls this once, after all processes' commit futures completed.
+        Orbax calls this once, after all processes' commit futures completed. A single process
+        wrote the whole manifest in its commit: nothing is left to merge.
 
         Raises:
           CheckpointFormatError: the parts disagree or do not cover every leaf.
@@ -352,16 +434,18 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             the leaf and the file).
         """
         args = _restore_args(args, item)
-        return _restore.restore_tree(
-            pathlib.Path(directory),
-            args.item,
-            self._context,
-            self._pool,
-            verify=self._checksums,
-            io_pool=self._io_pool,
-            roots=args.roots,
-            partial=args.partial,
-        )
+        with _io.pause_gc():
+            return _restore.restore_tree(
+                pathlib.Path(directory),
+                args.item,
+                self._context,
+                self._pool,
+                verify=self._checksums,
+                io_pool=self._io_pool,
+                roots=args.roots,
+                partial=args.partial,
+                root_options=self._root_options,
+            )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
         """The saved tree as Orbax's tree metadata, read from the manifest without data.
@@ -380,11 +464,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return _restore.tree_metadata_of(pathlib.Path(directory))
 
     def close(self) -> None:
-        """Stops the handler's copy/checksum threads (they restart if the handler is reused)."""
+        """Stops the handler's threads and frees its kept host buffers (both come back if the
+        handler is used again)."""
         for pool in (self._executor, self._io_executor):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._executor = self._io_executor = None
+        self._buffers.clear()
 
 
 def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:
@@ -421,11 +507,23 @@ def _restore_args(args: Any, item: Any) -> StripedRestore:
 
 def _check_writable(path: pathlib.Path, name: str) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        _manifest.make_dirs(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".cocijax-probe-"):
             pass
     except OSError as e:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
+
+
+def _check_writable_object_store(path: KvPath, name: str) -> None:
+    # The same promise as for a local root: a root that cannot be written fails here, naming
+    # it, not at the first save (a wrong endpoint, bucket or credentials).
+    probe = path / f".cocijax-probe-{uuid.uuid4().hex}"
+    try:
+        # Not empty: a GCS emulator (gcp-storage-emulator) fails an empty media upload.
+        probe.write_bytes(b"cocijax")
+        probe.delete()
+    except (ValueError, OSError) as e:  # TensorStore raises ValueError for I/O failures
+        raise ValueError(f"{name}={path.url!r} cannot be written: {e}.") from e
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)
@@ -461,8 +559,9 @@ class StripedRestore(checkpoint_args.CheckpointArgs):
         strings, ``ocp.PLACEHOLDER`` (leaf not read, returned as the placeholder),
         ``optax.MaskedNode`` (not read), or what :meth:`StripedCheckpointHandler.metadata`
         returns (as saved).
-      roots: where the stripes are now, one directory per root recorded at save time (in the
-        same order), when they were moved; ``None`` reads the recorded roots.
+      roots: where the stripes are now, one directory (or object-store URL) per root recorded
+        at save time (in the same order), when they were moved; ``None`` reads the recorded
+        roots. Object stores are read with the handler's ``root_options``.
       partial: the target (required) may be any sub-tree of the saved tree, e.g. only
         ``{"params": ...}`` of a saved ``{"params": ..., "opt_state": ...}``: leaves it omits
         are not read, and the result has the target's structure (Orbax's

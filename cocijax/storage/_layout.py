@@ -13,6 +13,7 @@ Three steps, all on metadata (no data is touched):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -38,11 +39,12 @@ class Chunk:
     dtype: np.dtype
     source: int = 0
 
-    @property
+    # Cached: the plan asks for them several times per chunk, and a tree may have 1000s.
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -112,12 +114,12 @@ def plan(
     total = sum(c.nbytes for c in chunks)
     target = piece_target(total, num_roots, piece_bytes, small_bytes)
     pieces: list[Piece] = []
-    packs: dict[str, list[Chunk]] = {}
+    packs: dict[np.dtype, list[Chunk]] = {}
     for c in chunks:
         if c.nbytes == 0:
             continue
         if c.nbytes < small_bytes:
-            packs.setdefault(c.dtype.name, []).append(c)
+            packs.setdefault(c.dtype, []).append(c)
             continue
         pieces.extend(_split(c, target))
     for group in packs.values():

@@ -19,10 +19,16 @@ import math
 import os
 import pathlib
 import re
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cocijax.storage import _tree
+from cocijax.storage import _kvpath, _schema, _tree
+from cocijax.storage._digest import check_digest, with_digest
+from cocijax.storage._kvpath import KvPath
+
+# A directory as the storage functions take it: a local path, or an object-store URL or KvPath.
+Location = os.PathLike | str | KvPath
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +158,8 @@ class Manifest:
     Attributes:
       version: format version.
       checksum: checksum algorithm (``"xxh3_64"``) or ``None``.
-      roots: absolute root directories; ``None`` stands for the item directory itself.
+      roots: absolute root directories or object-store URLs (``s3://bucket/prefix``);
+        ``None`` stands for the item directory itself.
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.
       custom_metadata: the JSON value given as ``StripedSave(custom_metadata=...)``, or None.
@@ -165,12 +172,17 @@ class Manifest:
     pieces: tuple[PieceRecord, ...]
     custom_metadata: Any = None
 
-    def root_dir(self, index: int, item_dir: os.PathLike | str) -> pathlib.Path:
+    def root_dir(
+        self, index: int, item_dir: Location, options: Mapping[str, Any] | None = None
+    ) -> pathlib.Path | KvPath:
+        """Root ``index``: a local directory, or a :class:`KvPath` opened with ``options``."""
         root = self.roots[index]
-        return pathlib.Path(item_dir) if root is None else pathlib.Path(root)
+        return _kvpath.location(item_dir if root is None else root, options)
 
-    def piece_path(self, piece: PieceRecord, item_dir: os.PathLike | str) -> pathlib.Path:
-        return self.root_dir(piece.root, item_dir) / piece.file
+    def piece_path(
+        self, piece: PieceRecord, item_dir: Location, options: Mapping[str, Any] | None = None
+    ) -> pathlib.Path | KvPath:
+        return self.root_dir(piece.root, item_dir, options) / piece.file
 
     def with_roots(self, roots: Sequence[os.PathLike | str | None] | None) -> Manifest:
         """This manifest reading its pieces from ``roots`` instead of the recorded roots.
@@ -188,8 +200,20 @@ class Manifest:
                 f"roots must list {len(self.roots)} directories (one per root the checkpoint "
                 f"was striped over, in order: {list(self.roots)}), got {roots!r}."
             )
-        moved = tuple(None if r is None else str(pathlib.Path(r).absolute()) for r in roots)
+        moved = tuple(None if r is None else _root_string(r) for r in roots)
         return dataclasses.replace(self, roots=moved)
+
+    def in_item_dir(self) -> Manifest:
+        """This manifest with every piece under the item directory itself (one root, ``None``).
+
+        What a copy of the item that keeps all its pieces inside its own directory records
+        (see ``copy_item``); piece files keep their names (``<stripe dir>/<piece>``).
+        """
+        return dataclasses.replace(
+            self,
+            roots=(None,),
+            pieces=tuple(dataclasses.replace(p, root=0) for p in self.pieces),
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -214,7 +238,7 @@ class Manifest:
         }
         if self.custom_metadata is not None:
             data["custom_metadata"] = self.custom_metadata
-        return data
+        return with_digest(data)
 
     @classmethod
     def from_json(cls, data: Any, source: str = "<manifest>") -> Manifest:
@@ -256,7 +280,7 @@ class Manifest:
                 )
                 for d in data["pieces"]
             )
-            return cls(
+            manifest = cls(
                 version=data["version"],
                 checksum=data["checksum"],
                 roots=tuple(data["roots"]),
@@ -264,8 +288,20 @@ class Manifest:
                 pieces=pieces,
                 custom_metadata=data.get("custom_metadata"),
             )
-        except (KeyError, TypeError, IndexError) as e:
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
+        _schema.check_manifest(manifest, source, CheckpointFormatError)
+        if not check_digest(data):
+            raise CheckpointFormatError(
+                f"{source} does not match its digest: it was changed after it was written."
+            )
+        return manifest
+
+
+def _root_string(root: Location) -> str:
+    """How a manifest records a root: an absolute path, or an object-store URL."""
+    where = _kvpath.location(root)
+    return where.url if isinstance(where, KvPath) else str(where.absolute())
 
 
 def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
@@ -290,22 +326,62 @@ def fsync_dir(path: os.PathLike | str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as e:  # fsync(2) errors do not name the directory
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
     finally:
         os.close(fd)
 
 
+def make_dirs(path: os.PathLike | str) -> pathlib.Path:
+    """Creates directory ``path`` and its missing parents durably; returns it.
+
+    ``mkdir(parents=True)`` alone leaves each new name in a directory that was never synced,
+    so a power loss may lose the whole tree (and everything later made durable inside it):
+    each parent that gained an entry is fsynced here, deepest first.
+
+    Example:
+      >>> import tempfile
+      >>> make_dirs(pathlib.Path(tempfile.mkdtemp()) / "a" / "b").is_dir()
+      True
+    """
+    path = pathlib.Path(path)
+    created = []
+    missing = path
+    while not missing.exists():
+        created.append(missing)
+        missing = missing.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for new in created:
+        fsync_dir(new.parent)
+    return path
+
+
+def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
+    """Replaces ``path`` by ``data`` atomically (tmp file, rename): readers see all or nothing.
+
+    ``fsync`` makes the data durable before the rename; the rename itself is durable once the
+    directory is fsynced. A file that a later durable write supersedes needs neither.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(data, separators=(",", ":"))  # one write: json.dump writes piecemeal
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:  # write(2) and fsync(2) errors do not name the file
+        raise OSError(e.errno, e.strerror, str(tmp)) from e
+    os.replace(tmp, path)
+
+
 def write_json_durably(path: pathlib.Path, data: Any) -> None:
     """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_json(path, data, fsync=True)
     fsync_dir(path.parent)
 
 
-def _read_json(path: pathlib.Path) -> Manifest:
+def _read_json(path: pathlib.Path | KvPath) -> Manifest:
     try:
         text = path.read_text()
     except FileNotFoundError as e:
@@ -317,14 +393,18 @@ def _read_json(path: pathlib.Path) -> Manifest:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointFormatError(f"{path} is not valid JSON: {e}.") from e
+    except (RecursionError, ValueError) as e:  # nesting too deep; an integer of 4300+ digits
+        raise CheckpointFormatError(f"{path} cannot be a cocijax manifest: {e}.") from e
     return Manifest.from_json(data, source=str(path))
 
 
-def read_manifest(item_dir: os.PathLike | str) -> Manifest:
+def read_manifest(item_dir: Location, *, root_options: Mapping[str, Any] | None = None) -> Manifest:
     """Reads the manifest of a committed item.
 
     Args:
-      item_dir: the Orbax item directory the handler saved into.
+      item_dir: the Orbax item directory the handler saved into, or an item on an object
+        store (``s3://bucket/run/7/state``).
+      root_options: kvstore options for an object-store ``item_dir`` (e.g. ``endpoint``).
 
     Returns:
       The parsed :class:`Manifest`.
@@ -340,7 +420,14 @@ def read_manifest(item_dir: os.PathLike | str) -> Manifest:
       >>> [(leaf.path, leaf.kind, leaf.shape) for leaf in read_manifest(path).leaves]
       [("['step']", 'int', ()), ("['w']", 'numpy', (3,))]
     """
-    return _read_json(pathlib.Path(item_dir) / MANIFEST_NAME)
+    item_dir = _kvpath.location(item_dir, root_options)
+    manifest = _read_json(item_dir / MANIFEST_NAME)
+    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    return manifest
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 def part_path(item_dir: os.PathLike | str, process: int) -> pathlib.Path:
@@ -355,14 +442,23 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
     order. Returns ``None`` when there is nothing to merge (already merged).
 
     Raises:
-      CheckpointFormatError: the parts disagree on the tree, or some leaf is not fully covered.
+      CheckpointFormatError: the parts disagree on the tree, some leaf is not fully covered, or
+        there is neither a part nor a manifest.
+      OSError: the item directory cannot be listed, or a part read or the manifest written.
     """
     item_dir = pathlib.Path(item_dir)
+    # os.listdir, not Path.glob: glob answers "no parts" when it may not list the directory
+    # (PermissionError), and the step would then be committed without a manifest (libfiu).
+    names = [n for n in os.listdir(item_dir) if n.startswith(PART_PREFIX) and n.endswith(".json")]
     part_files = sorted(
-        item_dir.glob(f"{PART_PREFIX}*.json"), key=lambda p: int(p.stem[len(PART_PREFIX) :])
+        (item_dir / n for n in names), key=lambda p: int(p.stem[len(PART_PREFIX) :])
     )
     if not part_files:
-        return None
+        if (item_dir / MANIFEST_NAME).is_file():
+            return None
+        raise CheckpointFormatError(
+            f"{item_dir}: no manifest part to merge and no manifest: no process wrote its part."
+        )
     parts = [_read_json(p) for p in part_files]
     first = parts[0]
     roots: list[str | None] = []
@@ -388,27 +484,30 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         pieces=tuple(pieces),
         custom_metadata=first.custom_metadata,
     )
-    _check_coverage(merged, item_dir)
-    write_json_durably(item_dir / MANIFEST_NAME, merged.to_json())
-    for p in part_files:
-        p.unlink()
-    fsync_dir(item_dir)
+    write_manifest(item_dir, merged, remove=part_files)
     return merged
 
 
-def _check_coverage(manifest: Manifest, item_dir: pathlib.Path) -> None:
-    # Pieces come from replica-0 shards, which never overlap, so equal volume means full cover.
-    covered = [0] * len(manifest.leaves)
-    for p in manifest.pieces:
-        covered[p.leaf] += math.prod(p.shape)
-    for leaf, n in zip(manifest.leaves, covered, strict=True):
-        if leaf.kind in _tree.INLINE_KINDS:
-            continue
-        if n != leaf.size:
-            raise CheckpointFormatError(
-                f"Leaf {leaf.path} in {item_dir}: the saved pieces cover {n} of {leaf.size} "
-                "elements; a process did not write its shards."
-            )
+def write_manifest(
+    item_dir: pathlib.Path | KvPath, manifest: Manifest, *, remove: Sequence[pathlib.Path] = ()
+) -> None:
+    """Writes ``manifest`` into ``item_dir``: the commit record, so write it last.
+
+    On a local directory it is written durably (temporary file, fsync, rename), and the files
+    in ``remove`` (merged parts) are removed with it; on an object store it is one PUT, which
+    makes the whole object appear at once or not at all.
+
+    Raises:
+      CheckpointFormatError: some leaf is not fully covered by the pieces.
+    """
+    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    if isinstance(item_dir, KvPath):
+        (item_dir / MANIFEST_NAME).write_bytes(_json_bytes(manifest.to_json()))
+        return
+    replace_json(item_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
+    for p in remove:
+        p.unlink()
+    fsync_dir(item_dir)  # once, for the manifest's rename and the parts' removal
 
 
 def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:
@@ -423,30 +522,52 @@ def referenced_stripe_dirs(item_dir: os.PathLike | str) -> set[pathlib.Path]:
     return _stripe_dirs(read_manifest(item_dir))
 
 
-def _stripe_dirs(manifest: Manifest) -> set[pathlib.Path]:
+def _stripe_dirs(manifest: Manifest) -> set[pathlib.Path | KvPath]:
     dirs = set()
     for p in manifest.pieces:
         root = manifest.roots[p.root]
         if root is not None:
-            dirs.add(pathlib.Path(root) / pathlib.PurePosixPath(p.file).parts[0])
+            dirs.add(_kvpath.location(root) / pathlib.PurePosixPath(p.file).parts[0])
     return dirs
 
 
-def find_stripe_dirs(root: os.PathLike | str) -> list[pathlib.Path]:
-    """Every stripe directory cocijax wrote directly under ``root``, sorted; [] if none."""
-    root = pathlib.Path(root)
+def find_stripe_dirs(
+    root: Location, *, root_options: Mapping[str, Any] | None = None
+) -> list[pathlib.Path | KvPath]:
+    """Every stripe directory cocijax wrote directly under ``root``, sorted; [] if none.
+
+    ``root`` may be an object-store prefix (``s3://bucket/prefix``): its keys are listed.
+    """
+    root = _kvpath.location(root, root_options)
+    if isinstance(root, KvPath):
+        names = {key.split("/", 1)[0] for key in root.list()}
+        return [root / n for n in sorted(names) if n.startswith(STRIPE_PREFIX)]
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STRIPE_PREFIX))
 
 
-def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | None:
+def remove_tree(where: Location, *, root_options: Mapping[str, Any] | None = None) -> None:
+    """Removes a directory (a stripe directory, say) or every object under a prefix."""
+    where = _kvpath.location(where, root_options)
+    if isinstance(where, KvPath):
+        where.delete_all()
+    else:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _resolved(where: pathlib.Path | KvPath) -> pathlib.Path | KvPath:
+    return where.resolve() if isinstance(where, pathlib.Path) else where
+
+
+def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path | KvPath] | None:
     """The stripe directories on external roots that an item references, for garbage collection.
 
     The rule for items that cannot be read:
 
-    * no manifest, or one that is not JSON (a save that never committed, a torn write): the
-      item references nothing, so its stripes are garbage;
+    * no manifest (a save that never committed; checked twice, so that an ``open`` failing
+      with ENOENT is not taken for it), or one that is not JSON (a torn write): the item
+      references nothing, so its stripes are garbage;
     * a manifest that is JSON but cannot be interpreted (say, a newer format), or that cannot
       be read (an I/O error): ``None``, "unknown"; a collector must then remove nothing, since
       any stripe might be that item's data.
@@ -467,14 +588,27 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
         if key in _STRIPES_IN_USE:
             return _STRIPES_IN_USE[key]
         data = json.loads(manifest.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return frozenset()  # never committed, or torn: its stripes are garbage
+    except FileNotFoundError:
+        # Never committed, so its stripes are garbage, but only if the manifest is really not
+        # there: an open failing with ENOENT on an existing file (an I/O fault; libfiu injects
+        # it) must not delete a committed step's data.
+        if os.path.lexists(manifest):
+            log.warning("cannot open %s: keeping every stripe for now", manifest)
+            return None
+        return frozenset()
+    except json.JSONDecodeError:
+        return frozenset()  # torn: never committed, its stripes are garbage
     except OSError as e:
         log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
         return None  # an I/O error may pass: not remembered
+    except (RecursionError, ValueError) as e:  # nesting too deep, an integer of 4300+ digits
+        log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
+        return None
     try:
         parsed = Manifest.from_json(data, source=str(manifest))
-        refs: frozenset[pathlib.Path] | None = frozenset(d.resolve() for d in _stripe_dirs(parsed))
+        refs: frozenset[pathlib.Path | KvPath] | None = frozenset(
+            _resolved(d) for d in _stripe_dirs(parsed)
+        )
     except (ValueError, IndexError, TypeError) as e:
         log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
         refs = None
@@ -486,17 +620,22 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path] | Non
 
 # Answers of stripes_in_use per manifest version (path, mtime, size): a manifest is written once
 # (atomically renamed into place), so its answer never changes.
-_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path] | None] = {}
+_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path | KvPath] | None] = {}
 
 
 def unreferenced_stripe_dirs(
-    roots: Iterable[os.PathLike | str], item_dirs: Iterable[os.PathLike | str]
-) -> list[pathlib.Path] | None:
+    roots: Iterable[Location],
+    item_dirs: Iterable[os.PathLike | str],
+    *,
+    root_options: Mapping[str, Any] | None = None,
+) -> list[pathlib.Path | KvPath] | None:
     """Stripe directories on ``roots`` that none of ``item_dirs`` references: garbage.
 
     Args:
-      roots: the directories saves striped into (a handler's ``roots``).
+      roots: the directories or object-store prefixes saves striped into (a handler's
+        ``roots``).
       item_dirs: every item that may reference stripes on them, committed or not.
+      root_options: kvstore options for object-store roots given as URLs.
 
     Returns:
       The unreferenced stripe directories, sorted; ``None`` when an item's references cannot
@@ -509,13 +648,18 @@ def unreferenced_stripe_dirs(
       >>> [p.name for p in unreferenced_stripe_dirs([root], [])]
       ['cocijax-stripe-left-by-a-crash']
     """
-    referenced: set[pathlib.Path] = set()
+    referenced: set[pathlib.Path | KvPath] = set()
     for item_dir in item_dirs:
         refs = stripes_in_use(item_dir)
         if refs is None:
             return None
         referenced |= refs
-    return [d for root in roots for d in find_stripe_dirs(root) if d.resolve() not in referenced]
+    return [
+        d
+        for root in roots
+        for d in find_stripe_dirs(root, root_options=root_options)
+        if _resolved(d) not in referenced
+    ]
 
 
 def check_tree(tree: Any) -> None:

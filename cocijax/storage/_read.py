@@ -1,39 +1,48 @@
 """The read path: pieces read back into place, their checksums verified, ``verify``.
 
-TensorStore opens every array and reads compressed pieces and parts of pieces; whole
-uncompressed pieces are read from their chunk files by ``_direct``.
+TensorStore reads compressed pieces and parts of pieces; whole uncompressed pieces (and packs)
+are read from their chunk files by ``_direct``, their layout taken from their ``zarr.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _direct, _layout, _manifest, _tree
+from cocijax.storage import _direct, _kvpath, _layout, _manifest, _tree, _write
 from cocijax.storage._io import (
     CHECKSUM,
     aligned_empty,
     checksum,
+    checksums,
     gather_all,
     make_context,
     run_sync,
 )
-from cocijax.storage._manifest import CorruptCheckpointError, Manifest, PieceRecord, Problem
+from cocijax.storage._kvpath import KvPath
+from cocijax.storage._manifest import (
+    CorruptCheckpointError,
+    Location,
+    Manifest,
+    PieceRecord,
+    Problem,
+)
 
 
-def read_spec(path: pathlib.Path) -> dict[str, Any]:
+def read_spec(path: pathlib.Path | KvPath) -> dict[str, Any]:
     # A missing chunk file must fail the read, not come back as zeros.
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},
+        "kvstore": _kvpath.kvstore_spec(path),
         "open": True,
         "fill_missing_data_reads": False,
     }
@@ -53,15 +62,17 @@ class PieceReader:
     def __init__(
         self,
         manifest: Manifest,
-        item_dir: pathlib.Path,
+        item_dir: pathlib.Path | KvPath,
         context: ts.Context,
         pool: concurrent.futures.Executor,
         *,
         verify: bool,
         io_pool: concurrent.futures.Executor | None = None,
+        root_options: Mapping[str, Any] | None = None,
     ):
         self._m = manifest
         self._dir = item_dir
+        self._options = root_options
         self._ctx = context
         self._pool = pool  # checksums
         self._io_pool = io_pool or pool  # blocking chunk-file reads
@@ -75,20 +86,40 @@ class PieceReader:
         for p in manifest.pieces:
             self._files.setdefault((p.root, p.file), []).append(p)
         self._open: dict[tuple[int, str], asyncio.Future] = {}
+        self._raw: dict[tuple[int, str], asyncio.Future] = {}
         self._full: dict[tuple[int, str], asyncio.Future] = {}
         self._uses: dict[tuple[int, str], int] = {}
 
     def _error(self, piece: PieceRecord, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"Leaf {_leaf_name(self._m, piece)}: {message} in piece "
-            f"{self._m.piece_path(piece, self._dir)}."
+            f"Leaf {_leaf_name(self._m, piece)}: {message} in piece {self.path(piece)}."
         )
+
+    def path(self, piece: PieceRecord) -> pathlib.Path | KvPath:
+        """Where ``piece``'s zarr array is: a local directory or an object-store prefix."""
+        return self._m.piece_path(piece, self._dir, self._options)
+
+    async def array(self, piece: PieceRecord) -> ts.TensorStore:
+        """The open zarr array of ``piece``'s file (opened once)."""
+        return await self._array(piece)
+
+    async def whole_file(self, piece: PieceRecord) -> np.ndarray:
+        """Every element of ``piece``'s file, every member's checksum verified (once per file).
+
+        Raises:
+          CorruptCheckpointError: the file cannot be read or a member fails its checksum.
+        """
+        data, bad = await self._read_full(piece)
+        for member in self._files[(piece.root, piece.file)]:
+            if _ident(member) in bad:
+                raise self._error(member, bad[_ident(member)])
+        return data
 
     async def _array(self, piece: PieceRecord) -> ts.TensorStore:
         key = (piece.root, piece.file)
         if key not in self._open:
             self._open[key] = asyncio.ensure_future(
-                ts.open(read_spec(self._m.piece_path(piece, self._dir)), context=self._ctx)
+                ts.open(read_spec(self.path(piece)), context=self._ctx)
             )
         try:
             array = await self._open[key]
@@ -106,19 +137,30 @@ class PieceReader:
         return await self._full[key]
 
     async def _load_and_check(self, piece: PieceRecord) -> tuple[np.ndarray, dict[Any, str]]:
-        """The whole file, and the checksum failures of its members (a pack holds many)."""
-        array = await self._array(piece)
+        """The whole file, and the checksum failures of its members (a pack holds many).
+
+        Read into an aligned buffer of its own (directly from raw chunk files), so that a whole
+        packed member can be handed out as a view of it (:meth:`member`).
+        """
+        raw = await self._raw_layout(piece)
+        if raw is None:
+            array = await self._array(piece)
+            shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
+        else:
+            shape, dtype = raw[0], self._dtype(piece)
+        data = aligned_empty(shape, dtype)
         try:
-            data = await array.read()
+            await self._read_array(piece, (...,), data, True)
+        except CorruptCheckpointError:
+            raise
         except Exception as e:
             raise self._error(piece, f"cannot read the data ({e})") from e
         bad: dict[Any, str] = {}
         if self._verify:
             loop = asyncio.get_running_loop()
             members = self._files[(piece.root, piece.file)]
-            sums = await asyncio.gather(
-                *[loop.run_in_executor(self._pool, checksum, _member(data, m)) for m in members]
-            )
+            views = [_member(data, m) for m in members]
+            sums = await loop.run_in_executor(self._pool, checksums, views)
             for m, got in zip(members, sums, strict=True):
                 if m.checksum is not None and got != m.checksum:
                     bad[_ident(m)] = _mismatch(m.checksum, got)
@@ -142,9 +184,10 @@ class PieceReader:
         whole = piece.offset is None and start == piece.start and stop == piece.stop
         if piece.offset is None and (whole or not self._verify):
             self._release(key)
-            array = await self._array(piece)
             try:
-                await self._read_array(piece, array, local, dest, whole)
+                await self._read_array(piece, local, dest, whole)
+            except CorruptCheckpointError:
+                raise
             except Exception as e:
                 raise self._error(piece, f"cannot read the data ({e})") from e
             if whole and self._verify and piece.checksum is not None:
@@ -161,21 +204,56 @@ class PieceReader:
             raise self._error(piece, bad[_ident(piece)])
         dest[...] = _member(data, piece)[local]
 
+    async def member(self, piece: PieceRecord) -> np.ndarray:
+        """The whole packed member ``piece`` as a view of its file's buffer: no copy.
+
+        Raises:
+          CorruptCheckpointError: the file cannot be read or the member fails its checksum.
+        """
+        try:
+            data, bad = await self._read_full(piece)
+        finally:
+            self._release((piece.root, piece.file))
+        if _ident(piece) in bad:
+            raise self._error(piece, bad[_ident(piece)])
+        return _member(data, piece)
+
     async def _read_array(
-        self, piece: PieceRecord, array: ts.TensorStore, local: tuple, dest: np.ndarray, whole: bool
+        self, piece: PieceRecord, local: tuple, dest: np.ndarray, whole: bool
     ) -> None:
-        rows = None
-        if whole and dest.flags.c_contiguous:
-            rows = _direct.raw_chunk_rows(array.spec().to_json().get("metadata", {}))
-        if rows is None:
+        raw = await self._raw_layout(piece) if whole and dest.flags.c_contiguous else None
+        if raw is None or raw[0] != dest.shape:
+            array = await self._array(piece)
             await ts.array(dest, copy=False, write=True).write(array[local])
             return
-        # Raw chunk files of a whole piece: read straight into their rows of ``dest``.
+        # Raw chunk files of a whole local piece: read straight into their rows of ``dest``.
         loop = asyncio.get_running_loop()
-        path = self._m.piece_path(piece, self._dir)
-        await gather_all(
-            loop.run_in_executor(self._io_pool, job) for job in _direct.read_jobs(path, dest, rows)
-        )
+        jobs = _direct.read_jobs(self.path(piece), dest, raw[1])
+        await gather_all(loop.run_in_executor(self._io_pool, job) for job in jobs)
+
+    async def _raw_layout(self, piece: PieceRecord) -> tuple[tuple[int, ...], Any] | None:
+        """Stored shape and chunk layout of a piece whose chunk files are its raw bytes.
+
+        Read from its ``zarr.json`` (once per file) without opening it in TensorStore; ``None``
+        when the piece is on an object store or stored otherwise, or its metadata cannot be read
+        (TensorStore then opens it and reports what is wrong).
+        """
+        path = self.path(piece)
+        if not isinstance(path, pathlib.Path):
+            return None
+        key = (piece.root, piece.file)
+        if key not in self._raw:
+            path = path / _write.ZARR_JSON
+            loop = asyncio.get_running_loop()
+            self._raw[key] = loop.run_in_executor(self._io_pool, _raw_metadata, path)
+        metadata = await self._raw[key]
+        if metadata is None or metadata.get("data_type") != self._dtype(piece).name:
+            return None
+        layout = _direct.raw_chunk_layout(metadata)
+        return None if layout is None else (tuple(metadata["shape"]), layout)
+
+    def _dtype(self, piece: PieceRecord) -> np.dtype:
+        return _tree.to_dtype(self._m.leaves[piece.leaf].dtype)
 
     def reserve(self, piece: PieceRecord) -> None:
         """Announces one future :meth:`read_into` call on ``piece``'s file.
@@ -201,6 +279,16 @@ class PieceReader:
         """Drops the cached data of one file."""
         self._full.pop(key, None)
         self._open.pop(key, None)
+        self._raw.pop(key, None)
+
+
+def _raw_metadata(path: pathlib.Path) -> dict[str, Any] | None:
+    """A zarr v3 array's metadata read from its ``zarr.json``; ``None`` if it cannot be."""
+    try:
+        metadata = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
 
 
 def _mismatch(expected: int, got: int) -> str:
@@ -224,7 +312,10 @@ def _member(data: np.ndarray, piece: PieceRecord) -> np.ndarray:
 
 
 def verify(
-    item_dir: os.PathLike | str, roots: Sequence[os.PathLike | str | None] | None = None
+    item_dir: Location,
+    roots: Sequence[Location | None] | None = None,
+    *,
+    root_options: Mapping[str, Any] | None = None,
 ) -> list[Problem]:
     """Checks every piece of a committed item against its manifest.
 
@@ -233,8 +324,11 @@ def verify(
     empty ``leaf_path``.
 
     Args:
-      item_dir: the Orbax item directory.
+      item_dir: the Orbax item directory, or an item on an object store
+        (``s3://bucket/run/7/state``).
       roots: where the stripes are now, if they were moved (see ``Manifest.with_roots``).
+      root_options: kvstore options (``endpoint``, ``aws_region``, ...) for object-store
+        roots and item directories.
 
     Returns:
       The problems found, one per defective piece; ``[]`` when the item is intact.
@@ -247,10 +341,10 @@ def verify(
       >>> verify(path)
       []
     """
-    item_dir = pathlib.Path(item_dir)
+    item_dir = _kvpath.location(item_dir, root_options)
     try:
         manifest = _manifest.read_manifest(item_dir)
-    except _manifest.CheckpointFormatError as e:
+    except (_manifest.CheckpointFormatError, OSError) as e:
         return [Problem("", str(item_dir / _manifest.MANIFEST_NAME), str(e))]
     manifest = manifest.with_roots(roots)
     context = make_context(16)
@@ -258,7 +352,15 @@ def verify(
         concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool,
         concurrent.futures.ThreadPoolExecutor(16) as io_pool,
     ):
-        reader = PieceReader(manifest, item_dir, context, pool, verify=True, io_pool=io_pool)
+        reader = PieceReader(
+            manifest,
+            item_dir,
+            context,
+            pool,
+            verify=True,
+            io_pool=io_pool,
+            root_options=root_options,
+        )
 
         limit = asyncio.Semaphore(8)
 
@@ -271,7 +373,7 @@ def verify(
                         scratch = aligned_empty(piece.shape, dtype)
                         await reader.read_into(piece, piece.start, piece.stop, scratch)
                     except CorruptCheckpointError as e:
-                        file = str(manifest.piece_path(piece, item_dir))
+                        file = str(reader.path(piece))
                         out.append(Problem(_leaf_name(manifest, piece), file, str(e)))
                 # Bounded memory: at most `limit` whole files are held at once.
                 reader.forget(key)

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,11 +41,13 @@ def restore_tree(
     io_pool: concurrent.futures.Executor | None = None,
     roots: Sequence[os.PathLike | str | None] | None = None,
     partial: bool = False,
+    root_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Restores the item in ``directory`` into ``target`` (see ``StripedCheckpointHandler``).
 
-    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``). With ``partial`` the
-    target may omit saved leaves: those are not read.
+    ``roots`` replaces the recorded roots (see ``Manifest.with_roots``); ``root_options`` are
+    the kvstore options of object-store roots. With ``partial`` the target may omit saved
+    leaves: those are not read.
 
     Raises:
       CheckpointFormatError: the manifest is missing or invalid.
@@ -68,7 +70,15 @@ def restore_tree(
     else:
         flat, treedef = _tree.flatten(target)
         targets, order = _match(manifest, flat, directory, partial=partial)
-    reader = _read.PieceReader(manifest, directory, context, pool, verify=verify, io_pool=io_pool)
+    reader = _read.PieceReader(
+        manifest,
+        directory,
+        context,
+        pool,
+        verify=verify,
+        io_pool=io_pool,
+        root_options=root_options,
+    )
     by_leaf: list[list[PieceRecord]] = [[] for _ in manifest.leaves]
     for p in manifest.pieces:
         by_leaf[p.leaf].append(p)
@@ -102,6 +112,9 @@ def restore_tree(
                 devices.append(device)
                 owners.append(i)
     placed: list[list[Any]] = [[] for _ in plans]
+    # Placed here, in the caller's thread, not as each region arrives: JAX's configuration
+    # (jax_enable_x64 above all) is thread-local, and the reads' event loop may run in a
+    # thread of its own (``run_sync``), where a 64-bit leaf would silently narrow.
     for i, array in zip(owners, jax.device_put(to_put, devices), strict=True):
         placed[i].append(array)
     values = [
@@ -196,8 +209,9 @@ class _Placements:
             try:
                 meta = sharding_metadata(record.sharding)
                 self._saved[key] = meta.to_jax_sharding()
-            except (ValueError, KeyError, TypeError, NotImplementedError):
-                self._saved[key] = None  # saved on devices this job does not have
+            # Saved on devices this job does not have, or a sharding Orbax cannot parse.
+            except (ValueError, KeyError, TypeError, NotImplementedError, AttributeError):
+                self._saved[key] = None
         return self._saved[key]
 
     def saved_or_default(self, record: LeafRecord) -> jax.sharding.Sharding:
@@ -282,8 +296,15 @@ def _request(
 
 
 async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
-    """The host array of one requested region of one leaf, read in place from its pieces."""
+    """The host array of one requested region of one leaf, read in place from its pieces.
+
+    A region that is one whole member of a pack is a view of the pack's buffer (no copy).
+    """
     start, stop, parts = request
+    if len(parts) == 1 and parts[0][0].offset is not None:
+        piece, lo, hi = parts[0]
+        if (lo, hi) == (start, stop) == (piece.start, piece.stop):
+            return await reader.member(piece)
     out = _io.aligned_empty(tuple(b - a for a, b in zip(start, stop, strict=True)), dtype)
     await _io.gather_all(
         reader.read_into(p, lo, hi, out[_layout.local_slices(lo, hi, start)]) for p, lo, hi in parts
@@ -342,7 +363,8 @@ def _plan_leaf(
             f"holds {record.kind}."
         )
     if record.kind == _tree.KEY_KIND:
-        return _plan_key(reader, record, target, pieces, directory, places)
+        sharding = _key_sharding(record, target, directory, places)
+        return _plan_key(reader, record, pieces, sharding, directory)
     if _tree.is_typed_key(target):
         raise ValueError(
             f"Leaf {record.path} in {directory}: the target asks for typed PRNG keys "
@@ -487,15 +509,10 @@ def _plan_device(
     return _LeafPlan(requests, finish, devices=list(boxes.values()))
 
 
-def _plan_key(
-    reader: _read.PieceReader,
-    record: LeafRecord,
-    target: Any,
-    pieces: list[PieceRecord],
-    directory: pathlib.Path,
-    places: _Placements,
-) -> _LeafPlan:
-    """Typed PRNG keys: their key data is read, then wrapped with the saved implementation."""
+def _key_sharding(
+    record: LeafRecord, target: Any, directory: pathlib.Path, places: _Placements
+) -> jax.sharding.Sharding:
+    """Where typed PRNG keys go: the target's sharding, else where they were saved."""
     shape, key_dtype = _logical(record)
     if target is _NO_TARGET:
         sharding = places.saved_or_default(record)
@@ -514,6 +531,18 @@ def _plan_key(
             f"jax.Array of that dtype, got {type(target).__name__} "
             f"{getattr(target, 'dtype', '')}."
         )
+    return sharding
+
+
+def _plan_key(
+    reader: _read.PieceReader,
+    record: LeafRecord,
+    pieces: list[PieceRecord],
+    sharding: jax.sharding.Sharding,
+    directory: pathlib.Path,
+) -> _LeafPlan:
+    """Typed PRNG keys: their key data is read, then wrapped with the saved implementation."""
+    shape, _ = _logical(record)
     data_sharding = _key_data_sharding(sharding, len(record.shape) - len(shape))
     if data_sharding is not None:
         plan = _plan_device(reader, record, pieces, data_sharding, True, directory)

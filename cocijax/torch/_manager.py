@@ -45,6 +45,7 @@ from cocijax.manager._contract import (
     check_step_order,
 )
 from cocijax.manager._driver import PolicyDriver, check_policy
+from cocijax.manager._faults import run_all
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
@@ -444,6 +445,7 @@ class CheckpointManager:
                 commit(self._dir, tmp, step, {**meta, "policy": policy})
 
             self._ranks.lead(publish, group=writes)
+            self._history.recorded()  # the job's failures are on record with this step
         except BaseException:
             self._abandon(step, tmp)
             raise
@@ -611,15 +613,17 @@ class CheckpointManager:
         """Waits for the save in flight and releases the background thread and the lock."""
         if self._closed:
             return
-        try:
-            self.wait_until_finished()
-        finally:
-            self._executor.shutdown(wait=True)
-            self._closed = True
-            self._preemption.uninstall()
-            self._history.close()
-            self._dir_lock.release()
-            self._ranks.close()
+        self._closed = True
+        # Each runs whatever the ones before raised: the lock is always released and the
+        # previous signal handlers are always back.
+        run_all(
+            self.wait_until_finished,
+            lambda: self._executor.shutdown(wait=True),
+            self._preemption.uninstall,
+            self._history.close,
+            self._dir_lock.release,
+            self._ranks.close,
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -20,7 +20,7 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 import cocijax as cj
 from cocijax import storage
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _write
+from cocijax.storage import _direct
 
 
 def small_state(seed: int = 0):
@@ -221,6 +221,7 @@ def test_a_field_added_to_a_policy_state_takes_its_initial_value(tmp_path):
     data = json.loads(state_file.read_text())
     kept = [e for e in data["policy_state"] if e["path"] != ".exposure"]
     assert len(kept) == len(data["policy_state"]) - 1
+    del data["digest"]  # nor did older versions write a digest
     state_file.write_text(json.dumps({**data, "policy_state": kept}))
     with cj.CheckpointManager(tmp_path, policy=policy) as mngr:
         loaded = mngr.policy_state
@@ -385,6 +386,20 @@ def test_read_only_manager_lists_and_restores_beside_a_writer(tmp_path):
     assert not (tmp_path / "absent").exists()
 
 
+def test_only_a_writer_compiles_its_policy_when_it_opens(tmp_path, monkeypatch):
+    # A reader never decides: compiling per opening cost a reader that opens managers in a
+    # loop seconds of CPU each (found by the long concurrent-readers run).
+    compiles = []
+    monkeypatch.setattr(cj.policies.Runner, "compile", lambda self, **kw: compiles.append(kw))
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)):
+        assert compiles == [{"background": True}]
+        reader = cj.CheckpointManager(
+            tmp_path / "ck", options=ocp.CheckpointManagerOptions(read_only=True)
+        )
+        reader.close()
+    assert compiles == [{"background": True}]
+
+
 def test_synchronous_saves_commit_and_restore(tmp_path):
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     with cj.CheckpointManager(
@@ -454,10 +469,10 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
 
 
 def test_a_save_in_flight_is_not_listed_until_committed(tmp_path, monkeypatch):
-    # The save is held in its commit (before the stripes' fsync) until the test lets it go.
+    # The save is held in its commit (at the fsync of its files) until the test lets it go.
     release = threading.Event()
-    fsync_tree = _write.fsync_tree
-    monkeypatch.setattr(_write, "fsync_tree", lambda d: (release.wait(60), fsync_tree(d)))
+    fsync_file = _direct.fsync_file
+    monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     state = {"w": np.ones((4, 1 << 18), np.float32)}
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
         assert mngr.save(1, state, loss=1.0)

@@ -43,10 +43,29 @@ def test_a_run_that_did_not_close_counts_one_failure_once(tmp_path):
     second.adopt(saved)
     assert second.failures == 1
     assert second.mtbf_s(3600.0) == pytest.approx((3600.0 + 1000.0) / 2.0)
+    recorded = second.to_json()
+    second.recorded()  # a checkpoint carrying `recorded` committed
     second.close()
+    assert not (tmp_path / MARKER).exists()
     third = RunHistory(tmp_path, clock=clock)
-    third.adopt(second.to_json())
+    third.adopt(recorded)
     assert third.failures == 1  # the clean close added none
+
+
+def test_a_failure_no_checkpoint_recorded_yet_is_kept_for_the_next_run(tmp_path):
+    clock = Clock()
+    RunHistory(tmp_path, clock=clock).adopt(None)  # then the process dies: no close
+    second = RunHistory(tmp_path, clock=clock)
+    second.adopt(None)
+    assert second.failures == 1
+    second.close()  # no save of this run committed: the failure is only in the marker
+    assert (tmp_path / MARKER).exists()
+    third = RunHistory(tmp_path, clock=clock)
+    third.adopt(None)
+    assert third.failures == 1  # the same failure, counted once
+    third.recorded()
+    third.close()
+    assert not (tmp_path / MARKER).exists()
 
 
 def test_a_corrupt_marker_is_one_failure_with_a_warning(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from collections.abc import Mapping
 
 import grain
@@ -16,7 +17,7 @@ import pytest
 
 import cocijax as cj
 from cocijax import storage
-from cocijax.storage import _write
+from cocijax.storage import _direct
 
 
 def state_of(seed: int = 0):
@@ -98,13 +99,19 @@ def test_extra_items_of_every_orbax_kind_are_saved_with_the_step_and_restored(tm
 def test_extra_items_commit_with_the_state_in_one_step_directory(tmp_path, monkeypatch):
     # The state's write is held before its commit: no item of the step may be visible yet.
     release = threading.Event()
-    fsync_tree = _write.fsync_tree
-    monkeypatch.setattr(_write, "fsync_tree", lambda d: (release.wait(60), fsync_tree(d)))
+    fsync_file = _direct.fsync_file
+    monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     with cj.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr:
         try:
             assert mngr.save(1, state_of(), loss=1.0, extra={"config": ocp.args.JsonSave({})})
             # Every item goes into the step's one temporary directory; nothing is visible yet.
-            (pending,) = [p for p in tmp_path.iterdir() if p.name.startswith("1.orbax-checkpoint")]
+            # (Orbax creates that directory in the background: save may return before it.)
+            deadline = time.monotonic() + 60
+            while not (pending := [p for p in tmp_path.iterdir() if p.name.startswith("1.orb")]):
+                assert time.monotonic() < deadline, "Orbax never created the step's directory"
+                time.sleep(0.01)
+            assert len(pending) == 1, pending
+            (pending,) = pending
             assert not (tmp_path / "1").exists() and mngr.all_steps() == []
         finally:
             release.set()

@@ -6,7 +6,7 @@
   array and an optax Adam state over one mesh of every device, then runs a training loop that
   calls ``CheckpointManager.save`` on every step. Each process feeds the manager a *different*
   loss and sleeps a different time per step, so the manager has to agree on its decisions across
-  processes. Writes ``<out>/process_<i>.json``: its save decisions, the TensorStore paths it opened
+  processes. Writes ``<out>/process_<i>.json``: its save decisions, the piece paths it wrote
   while saving, and the index of every shard it owns (replica 0). Process 0 also writes the whole
   state gathered from every process to ``<out>/reference.npz``.
 * ``"restore"``: restores the newest step with a target sharded over this run's devices (one
@@ -85,9 +85,20 @@ def _state(mesh: Any):
     return {"params": params, "opt_state": opt_state}, step
 
 
-def _log_tensorstore_opens(log: list[str]) -> None:
-    """Records the kvstore path of every ``tensorstore.open`` this process makes."""
+def _log_piece_writes(log: list[str]) -> None:
+    """Records the kvstore path of every ``tensorstore.open`` this process makes, and the piece
+    directory of every file it writes directly (uncompressed pieces open no store)."""
     import tensorstore as ts
+
+    from cocijax.storage import _direct
+
+    write_file = _direct.write_file
+
+    def logging_write(path: Any, *args: Any, **kwargs: Any):
+        log.append(str(path.parent))
+        return write_file(path, *args, **kwargs)
+
+    _direct.write_file = logging_write
 
     original = ts.open
 
@@ -115,7 +126,7 @@ def save(cfg: dict[str, Any]) -> None:
     mesh = _mesh()
     state, step_fn = _state(mesh)
     opened: list[str] = []
-    _log_tensorstore_opens(opened)
+    _log_piece_writes(opened)
     decisions: list[bool] = []
     policy = getattr(cj.policies, cfg["policy"])(**cfg["policy_kwargs"])
     with cj.CheckpointManager(

@@ -92,3 +92,52 @@ def pieces(item: Path) -> list[PieceOnDisk]:
         )
         for p in manifest.pieces
     ]
+
+
+def two_root_manager(base: Path, **kwargs: Any) -> Any:
+    """A manager on ``base/ckpt`` striping onto ``base/root0`` and ``base/root1``, saving at
+    every step it is asked to (``fixed(1)``); ``kwargs`` go to the manager."""
+    import cocijax as cj
+
+    return cj.CheckpointManager(
+        base / "ckpt",
+        roots=[base / "root0", base / "root1"],
+        policy=cj.policies.fixed(1),
+        **kwargs,
+    )
+
+
+def orphaned_stripes(mngr: Any) -> list[Path]:
+    """Stripe directories on ``mngr``'s roots that none of its listed steps references.
+
+    Worked out from each step's manifest and a listing of the roots, not by the garbage
+    collector's own function, which is what this checks.
+    """
+    from cocijax import storage
+
+    referenced = {
+        p.resolve()
+        for step in mngr.all_steps()
+        for p in storage.referenced_stripe_dirs(mngr.item_directory(step))
+    }
+    on_disk = {p.resolve() for r in mngr.stripe_roots for p in storage.find_stripe_dirs(r)}
+    return sorted(on_disk - referenced)
+
+
+def require_tool(name: str, why: str) -> str:
+    """The path of system tool ``name``; skips the test without it, except under CI.
+
+    ``make test`` installs the tools these tests need where it can (root and apt-get); CI runs as
+    root, so there a missing tool is a failure, never a silent skip.
+    """
+    import shutil
+
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} is not installed ({why}); `make test` installs it as root with apt-get"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must run this test: {reason}")
+        pytest.skip(reason)
+    return path

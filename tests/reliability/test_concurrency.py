@@ -1,9 +1,9 @@
 """Saves that overlap in time, and two writers on one directory.
 
 * A save started while the previous async save is still writing must not interleave with it: the
-  test records, inside this process, the instant each TensorStore store is opened and checks on
-  disk that the previous step was already committed (final directory and manifest present) when
-  the first store of the next step was opened.
+  test records, inside this process, the instant each piece file is written (directly, or by a
+  TensorStore store being opened) and checks on disk that the previous step was already
+  committed (final directory and manifest present) when the next step wrote its first file.
 * A second process (or a second manager in this process) that opens a directory some manager
   already writes to gets a clear error naming the directory and the lock, and the first writer's
   checkpoints stay intact. Readers (``cocijax verify``) are not blocked.
@@ -26,6 +26,7 @@ from reliability_helpers import child_env, item_dir
 import cocijax as cj
 from cocijax import cli, storage
 from cocijax.manager import DirectoryLockedError
+from cocijax.storage import _direct
 
 pytestmark = pytest.mark.xdist_group("reliability-concurrency")
 
@@ -53,15 +54,23 @@ def test_next_save_never_interleaves_with_the_running_one(tmp_path: Path, monkey
     roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
     opens: list[tuple[str, dict[int, bool]]] = []
     lock = threading.Lock()
-    original_open = ts.open
+    original_open, original_write = ts.open, _direct.write_file
+
+    def record(target: Any) -> None:
+        # What was committed at the instant this file was written or this store opened.
+        with lock:
+            opens.append((str(target), {s: _committed(directory, s) for s in (1, 2, 3)}))
 
     def recording_open(spec: Any = None, *args: Any, **kwargs: Any):
-        # What was committed at the instant this store was opened.
-        with lock:
-            opens.append((str(spec), {s: _committed(directory, s) for s in (1, 2, 3)}))
+        record(spec)
         return original_open(spec, *args, **kwargs)
 
+    def recording_write(path: Path, *args: Any, **kwargs: Any):
+        record(path)
+        return original_write(path, *args, **kwargs)
+
     monkeypatch.setattr(ts, "open", recording_open)
+    monkeypatch.setattr(_direct, "write_file", recording_write)
     mib = 48
     with cj.CheckpointManager(
         directory, roots=roots, policy=cj.policies.fixed(1), max_to_keep=5
@@ -90,7 +99,7 @@ def test_next_save_never_interleaves_with_the_running_one(tmp_path: Path, monkey
             if any(name in spec for name in stripes[step]):
                 by_step[step].append(committed)
     for step in (2, 3):
-        assert by_step[step], f"no TensorStore open recorded for step {step}"
+        assert by_step[step], f"no piece file write recorded for step {step}"
         for committed in by_step[step]:
             assert committed[step - 1], f"step {step} wrote before step {step - 1} committed"
 

@@ -92,9 +92,10 @@ def _flip_metadata(path: Path) -> None:
     _flip(meta / "zarr.json")
 
 
-# kind -> (damage applied to the chunk file, whether messages name the chunk or the piece dir)
+# kind -> (damage applied to the chunk file, whether messages name the chunk or the piece dir:
+# a flipped byte fails the checksum of the piece's region, which names the piece)
 DAMAGE = {
-    "flip": (_flip, "chunk"),
+    "flip": (_flip, "piece"),
     "truncate": (_truncate, "chunk"),
     "delete": (Path.unlink, "chunk"),
     "flip-zarr-metadata": (_flip_metadata, "piece"),

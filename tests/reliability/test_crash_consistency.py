@@ -52,7 +52,7 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
     "d2h": (
         # The snapshot's two host-copy helpers (private functions: every name must exist, or
         # the trainer refuses to run, so a renamed helper fails this test instead of skipping).
-        ["cocijax.storage._snapshot:_host_copy", "cocijax.storage._snapshot:_pack_into"],
+        ["cocijax.storage._snapshot:_copy_source", "cocijax.storage._snapshot:_pack_into"],
         (1, 6),
         (0.0, 0.0),
     ),
@@ -62,8 +62,14 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
         (1, 8),
         (0.0, 0.01),
     ),
-    "fsync": ("cocijax.storage._write:fsync_tree", (1, 6), (0.0, 0.002)),
-    "manifest": ("cocijax.storage._manifest:write_json_durably", (1, 6), (0.0, 0.001)),
+    # The fsyncs of the piece files, then of their directories.
+    "fsync": (
+        ["cocijax.storage._direct:fsync_file", "cocijax.storage._manifest:fsync_dir"],
+        (1, 6),
+        (0.0, 0.002),
+    ),
+    # One manifest per save (a single process writes it whole): at most 6 saves a run.
+    "manifest": ("cocijax.storage._manifest:replace_json", (1, 4), (0.0, 0.001)),
     "merge": ("cocijax.storage._manifest:merge_parts", (1, 4), (0.0, 0.001)),
     "finalize": (
         "orbax.checkpoint._src.path.atomicity:AtomicRenameTemporaryPath.finalize",

@@ -77,15 +77,20 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
     monkeypatch.setattr(
         _direct,
         "write_file",
-        lambda path, data, **kw: (calls.append(kw["direct"]), write_file(path, data, **kw)),
+        lambda path, data, **kw: (
+            calls.append((path.name, kw["direct"])) or write_file(path, data, **kw)
+        ),
     )
     state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
     handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20)
     with ocp.AsyncCheckpointer(handler) as ckptr:
         ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
         ckptr.wait_until_finished()
-    assert len(calls) >= 4
-    assert all(calls) == _direct.supports_direct(roots[0])
+    chunks = [direct for name, direct in calls if name.startswith("c.")]
+    assert len(chunks) >= 4
+    assert all(chunks) == _direct.supports_direct(roots[0])
+    # Each piece's zarr.json is written beside its chunk files, through the page cache.
+    assert [direct for name, direct in calls if name == "zarr.json"] == [False, False]
     assert cj.storage.verify(tmp_path / "ckpt") == []
 
 
@@ -120,21 +125,23 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
     np.testing.assert_array_equal(got["w"], state["w"])
 
 
-def test_raw_chunk_rows_accepts_only_plain_bytes_with_default_keys(tmp_path):
+def test_raw_chunk_layout_accepts_only_plain_bytes_with_default_keys(tmp_path):
     plain = _write.write_spec(
         tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
         compression_level=3,
     )["metadata"]  # fmt: skip
-    assert _direct.raw_chunk_rows(plain) == 35
+    assert _direct.raw_chunk_layout(plain) == (35, ".")
+    slash = {"name": "default", "configuration": {"separator": "/"}}
+    slashes = dict(plain, chunk_key_encoding=slash)
+    assert _direct.raw_chunk_layout(slashes) == (35, "/")  # what earlier versions wrote
     zstd = dict(plain, codecs=[*plain["codecs"], {"name": "zstd", "configuration": {"level": 3}}])
-    dots = dict(plain, chunk_key_encoding={"name": "default", "configuration": {"separator": "."}})
     v2_keys = dict(plain, chunk_key_encoding={"name": "v2"})
     split_cols = dict(
         plain, chunk_grid={"name": "regular", "configuration": {"chunk_shape": [35, 3]}}
     )
     big_endian = dict(plain, codecs=[{"name": "bytes", "configuration": {"endian": "big"}}])
-    for other in (zstd, dots, v2_keys, split_cols, big_endian):
-        assert _direct.raw_chunk_rows(other) is None
+    for other in (zstd, v2_keys, split_cols, big_endian):
+        assert _direct.raw_chunk_layout(other) is None
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])

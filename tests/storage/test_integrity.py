@@ -32,7 +32,7 @@ def _piece_of(item, leaf_path):
 
 
 def _chunk_files(piece_dir: pathlib.Path):
-    return sorted(p for p in (piece_dir / "c").rglob("*") if p.is_file())
+    return sorted(p for p in piece_dir.iterdir() if p.name.startswith("c."))
 
 
 def test_intact_checkpoint_verifies_clean(saved):
@@ -143,6 +143,14 @@ def test_merge_refuses_incomplete_coverage(saved):
     )
     _manifest.write_json_durably(_manifest.part_path(item, 0), part.to_json())
     with pytest.raises(cj.storage.CheckpointFormatError, match="cover"):
+        handler.finalize(item)
+
+
+def test_merge_without_part_or_manifest_raises(saved):
+    """No part and no manifest: no process wrote one, so finalize must fail, not commit."""
+    handler, item = saved
+    (item / cj.storage.MANIFEST_NAME).unlink()
+    with pytest.raises(cj.storage.CheckpointFormatError, match="no manifest part"):
         handler.finalize(item)
 
 

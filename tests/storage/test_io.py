@@ -25,3 +25,49 @@ def test_aligned_copy_is_an_equal_independent_array():
     copy = _io.aligned_copy(source)
     np.testing.assert_array_equal(copy, source)
     assert copy.ctypes.data % 64 == 0 and not np.shares_memory(copy, source)
+
+
+def test_pause_gc_nests_across_threads_and_restores_the_previous_state():
+    import gc
+    import threading
+
+    inner_open, release = threading.Event(), threading.Event()
+
+    def other_thread():
+        with _io.pause_gc():
+            inner_open.set()
+            release.wait(10)
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _io.pause_gc():
+            worker = threading.Thread(target=other_thread)
+            worker.start()
+            inner_open.wait(10)
+        assert not gc.isenabled()  # the other thread's block is still open
+        release.set()
+        worker.join(10)
+        assert gc.isenabled()
+        gc.disable()
+        with _io.pause_gc():
+            pass
+        assert not gc.isenabled()  # a collector the caller had disabled stays disabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_host_buffers_reuse_equal_sizes_and_free_the_others_before_allocating():
+    pool = _io.HostBuffers()
+    a, b = pool.take([1 << 20, 3 * 4096])
+    assert a.ctypes.data % 4096 == 0 and b.ctypes.data % 4096 == 0
+    pool.give_back([a, b])
+    assert pool.nbytes == (1 << 20) + 3 * 4096
+    (c,) = pool.take([3 * 4096])
+    assert c is b
+    assert pool.nbytes == 0  # the 1 MiB buffer no take asked for is freed
+    (d,) = pool.take([1 << 20])
+    assert d is not a and d.nbytes == 1 << 20
+    pool.give_back([d])
+    pool.clear()
+    assert pool.nbytes == 0

@@ -283,3 +283,30 @@ def test_moved_stripes_restore_and_verify_with_new_roots(tmp_path, roots):
     assert_tree_equal(state, got)
     assert cj.storage.verify(item, roots=moved) == []
     assert cj.storage.verify(item) != []
+
+
+def test_saves_of_the_same_shapes_copy_into_the_buffers_of_the_last_one(tmp_path, roots):
+    def tree(step, rows=512):
+        big = jnp.full((rows, 1024), step, jnp.float32)  # 2 MiB: a piece of its own
+        return {"big": big, "small": jnp.arange(16) + step, "n": step}
+
+    host_bytes = 512 * 1024 * 4 + 16 * 4
+    handler = cj.StripedCheckpointHandler(roots)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        for step in range(3):
+            ckptr.save(tmp_path / str(step), args=cj.StripedSave(tree(step)))
+            ckptr.wait_until_finished()
+            # Kept for the next save: one host copy of the tree, never one per save.
+            assert handler._buffers.nbytes == host_bytes
+        ckptr.save(tmp_path / "other", args=cj.StripedSave(tree(9, rows=256)))
+        ckptr.wait_until_finished()
+        assert handler._buffers.nbytes == 256 * 1024 * 4 + 16 * 4  # the larger ones were freed
+        for step in range(3):  # every save wrote its own values, not a later save's
+            got = ckptr.restore(tmp_path / str(step), args=cj.StripedRestore())
+            assert_tree_equal(got, tree(step))
+    assert handler._buffers.nbytes == 0  # close() frees them
+    handler = cj.StripedCheckpointHandler(roots, reuse_host_buffers=False)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "no-reuse", args=cj.StripedSave(tree(4)))
+        ckptr.wait_until_finished()
+        assert handler._buffers.nbytes == 0
