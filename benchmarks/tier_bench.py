@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
 
     repeat = 1 if args.quick else args.repeat
     os.environ.update(AWS_ENV)
+    # A SIGTERM (a user's kill, a job's time limit) leaves through the finally below, which
+    # stops the server; by default Python would exit at once and leave it running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     server, endpoint = _start_moto()
     runs: dict[str, list[dict]] = {c: [] for c in CASES}
     try:

@@ -27,6 +27,7 @@ newest ``keep_latest`` steps are never dropped) and turn preemption signals into
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -36,6 +37,7 @@ __all__ = [
     "ManagerProtocol",
     "Measurements",
     "StepDeletedError",
+    "check_extra_names",
     "check_step",
     "check_step_order",
 ]
@@ -104,6 +106,41 @@ def check_step(step: Any) -> int:
     if step < 1:
         raise ValueError(f"step: must be >= 1 (completed training steps), got {step}.")
     return step
+
+
+def check_extra_names(extra: Any, *, reserved: Sequence[str], expected: str) -> Mapping:
+    """The ``extra`` argument of a manager's ``save``/``restore``, its names checked.
+
+    One rule for both managers: a mapping with string keys, none of them a name the manager
+    gives its own items. What each value must be is the manager's own check.
+
+    Args:
+      extra: ``None`` or the mapping given.
+      reserved: the names of the manager's own items.
+      expected: what the values should be, for the error message.
+
+    Returns:
+      ``extra`` (an empty dict for ``None``).
+
+    Raises:
+      TypeError: ``extra`` is not a mapping, or a name is not a string.
+      ValueError: a name is reserved.
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            f"extra: expected a dict of item names to {expected}, got {type(extra).__name__}."
+        )
+    for name in extra:
+        if not isinstance(name, str):
+            raise TypeError(f"extra: item names must be strings, got {name!r}.")
+        if name in reserved:
+            raise ValueError(
+                f"extra[{name!r}]: the name is reserved for the manager's own items "
+                f"({', '.join(reserved)}); choose another."
+            )
+    return extra
 
 
 def check_step_order(step: int, latest_saved: int | None, previous: int | None, where) -> None:

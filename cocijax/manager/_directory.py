@@ -21,6 +21,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from cocijax import storage
+from cocijax.manager._contract import check_extra_names
 from cocijax.manager._durable import DurableRenameTemporaryPath
 
 __all__ = [
@@ -102,8 +103,12 @@ class CommittedStepFormat:
             try:
                 # Read now: Orbax reads it later, when a writer may have deleted the step.
                 committed_at = metadata.commit_timestamp
-            except FileNotFoundError:
-                continue  # deleted since it was listed
+            except (FileNotFoundError, NotADirectoryError):
+                # Deleted since it was listed. Orbax checks that the step exists, then that it
+                # is a directory: a step removed in between is "not a directory" to it.
+                if Path(metadata.path).is_dir():
+                    raise
+                continue
             yield _ListedStep(metadata.step, metadata.path, committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
@@ -268,23 +273,11 @@ def check_extra(extra: Any, *, restoring: bool) -> dict[str, ocp.args.Checkpoint
       ValueError: a name is reserved (``state``, ``policy``, ``metrics``) or cannot be a
         directory name.
     """
-    if extra is None:
-        return {}
     verb = "restore" if restoring else "save"
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"extra: expected a dict of item names to Orbax CheckpointArgs (e.g. "
-            f"{{'config': ocp.args.Json{verb.title()}(...)}}), got {type(extra).__name__}."
-        )
+    example = f"Orbax CheckpointArgs (e.g. {{'config': ocp.args.Json{verb.title()}(...)}})"
+    extra = check_extra_names(extra, reserved=RESERVED_ITEMS, expected=example)
     items = {}
     for name, args in extra.items():
-        if not isinstance(name, str):
-            raise TypeError(f"extra: item names must be strings, got {name!r}.")
-        if name in RESERVED_ITEMS:
-            raise ValueError(
-                f"extra[{name!r}]: the name is reserved for the manager's own items "
-                f"({', '.join(RESERVED_ITEMS)}); choose another."
-            )
         if not name or name.startswith(".") or "/" in name or TMP_MARK in name:
             raise ValueError(
                 f"extra[{name!r}]: an item name becomes a directory inside the step: it must "

@@ -363,7 +363,8 @@ def _plan_leaf(
             f"holds {record.kind}."
         )
     if record.kind == _tree.KEY_KIND:
-        return _plan_key(reader, record, target, pieces, directory, places)
+        sharding = _key_sharding(record, target, directory, places)
+        return _plan_key(reader, record, pieces, sharding, directory)
     if _tree.is_typed_key(target):
         raise ValueError(
             f"Leaf {record.path} in {directory}: the target asks for typed PRNG keys "
@@ -508,15 +509,10 @@ def _plan_device(
     return _LeafPlan(requests, finish, devices=list(boxes.values()))
 
 
-def _plan_key(
-    reader: _read.PieceReader,
-    record: LeafRecord,
-    target: Any,
-    pieces: list[PieceRecord],
-    directory: pathlib.Path,
-    places: _Placements,
-) -> _LeafPlan:
-    """Typed PRNG keys: their key data is read, then wrapped with the saved implementation."""
+def _key_sharding(
+    record: LeafRecord, target: Any, directory: pathlib.Path, places: _Placements
+) -> jax.sharding.Sharding:
+    """Where typed PRNG keys go: the target's sharding, else where they were saved."""
     shape, key_dtype = _logical(record)
     if target is _NO_TARGET:
         sharding = places.saved_or_default(record)
@@ -535,6 +531,18 @@ def _plan_key(
             f"jax.Array of that dtype, got {type(target).__name__} "
             f"{getattr(target, 'dtype', '')}."
         )
+    return sharding
+
+
+def _plan_key(
+    reader: _read.PieceReader,
+    record: LeafRecord,
+    pieces: list[PieceRecord],
+    sharding: jax.sharding.Sharding,
+    directory: pathlib.Path,
+) -> _LeafPlan:
+    """Typed PRNG keys: their key data is read, then wrapped with the saved implementation."""
+    shape, _ = _logical(record)
     data_sharding = _key_data_sharding(sharding, len(record.shape) - len(shape))
     if data_sharding is not None:
         plan = _plan_device(reader, record, pieces, data_sharding, True, directory)

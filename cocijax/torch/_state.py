@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
+from cocijax.manager._contract import check_extra_names
+
 __all__ = [
     "RESERVED",
     "RESERVED_EXTRA",
@@ -56,21 +58,10 @@ def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         callable ``state_dict`` or ``load_state_dict`` (naming the key).
       ValueError: a key is reserved (``state``, ``policy``).
     """
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"extra: expected a dict of name -> object with state_dict/load_state_dict, got "
-            f"{type(extra).__name__}."
-        )
+    extra = check_extra_names(
+        extra, reserved=RESERVED_EXTRA, expected="objects with state_dict/load_state_dict"
+    )
     for name, obj in extra.items():
-        if not isinstance(name, str):
-            raise TypeError(f"extra: keys must be strings, got {name!r}.")
-        if name in RESERVED_EXTRA:
-            raise ValueError(
-                f"extra: the name {name!r} is reserved (names {list(RESERVED_EXTRA)} are the "
-                "manager's own items); rename the entry."
-            )
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))

@@ -17,7 +17,7 @@ manifests record absolute paths) and checked:
 
 ``COCIJAX_POWERLOSS_STATES`` limits how many distinct states are checked per recording
 (default: all); ``COCIJAX_POWERLOSS_RECORDINGS`` records and checks the run that many times
-(default 1): its threads interleave differently each time, so each recording orders the
+(default 2): its threads interleave differently each time, so each recording orders the
 writes, syncs and renames of the pieces, manifests and commits its own way.
 Needs ``strace`` (installed by ``make test`` where it can); skipped without it, except under CI.
 """
@@ -44,7 +44,7 @@ from cocijax import storage
 pytestmark = pytest.mark.xdist_group("reliability-power-loss")
 
 LIMIT = int(os.environ.get("COCIJAX_POWERLOSS_STATES", "0")) or None
-RECORDINGS = int(os.environ.get("COCIJAX_POWERLOSS_RECORDINGS", "1"))
+RECORDINGS = int(os.environ.get("COCIJAX_POWERLOSS_RECORDINGS", "2"))
 NEXT_STEP = 100
 
 
