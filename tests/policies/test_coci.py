@@ -145,11 +145,16 @@ def test_without_total_steps_a_noisy_loss_still_beats_young(noise):
     assert overhead(cj.policies.coci(mtbf, 60.0)) < 0.99 * overhead(cj.policies.young(mtbf))
 
 
+def _own_curve(name: str) -> np.ndarray:
+    """The losses of a curve this project trained (``benchmarks/curves``)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / f"{name}.csv"
+    return np.loadtxt(path, delimiter=",", skiprows=1)[:, 1]
+
+
 def _beats_every_classic_policy_in_scenario_b(curve: str, **coci_kwargs) -> bool:
     """Whether ``coci`` beats Young, Daly and CheckFreq on a curve of ``benchmarks/curves`` in
     ``policy_bench``'s scenario B (an 8-hour job, MTBF 48 min, save 10 s, recovery 60 s)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / f"{curve}.csv"
-    losses = np.loadtxt(path, delimiter=",", skiprows=1)[:, 1]
+    losses = _own_curve(curve)
     n = losses.size
     tau, cost, mtbf, rec = 8 * 3600.0 / n, 10.0, 2880.0, 60.0
     job = dict(n_steps=n, step_time_s=tau, checkpoint_cost_s=cost, recovery_s=rec, mtbf_s=mtbf)
@@ -209,8 +214,7 @@ def test_many_failures_before_the_first_recovery_is_measured_it_beats_every_clas
     classic policy (3.3% and 0.9% without that save); with the recovery assumed at most a
     quarter of the MTBF, 4.4% and 6.0% better (the optimum: 7.4% and 9.3%).
     """
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "curves" / f"{curve}.csv"
-    losses = np.loadtxt(path, delimiter=",", skiprows=1)[:, 1]
+    losses = _own_curve(curve)
     n = losses.size
     tau, cost, mtbf, rec, prior = 135.0 / n, 0.9, 30.0, 5.0, 0.0258
     job = dict(n_steps=n, step_time_s=tau, checkpoint_cost_s=cost, recovery_s=rec, mtbf_s=mtbf)
