@@ -255,7 +255,20 @@ def coci(
         moved = jnp.stack([a / b for a, b in zip(costs, state.plan.costs, strict=True)])
         stale = stale | jnp.any(jnp.abs(jnp.log(jnp.maximum(moved, 1e-30))) > REPLAN_DRIFT)
 
-        def decide(plan, rollback):
+        def replan(_):
+            plan = make_plan(w, k, n_total, costs)
+            rollback = _horizon.value_before(
+                plan,
+                behind=(k - state.last_save.astype(jnp.float32)) * tau,
+                exposure=exposure,
+                end_without_save=known_end & (plan.edges[-1] >= n_total),
+            )
+            return plan, clock.last_step, rollback
+
+        def check(_):
+            plan, plan_step, rollback = jax.lax.cond(
+                stale, replan, lambda _: (state.plan, state.plan_step, state.rollback), None
+            )
             save, next_edge = _horizon.decide(
                 plan,
                 step=k,
@@ -265,38 +278,18 @@ def coci(
             )
             # A save after the last step, or with no timed training since the last one,
             # protects nothing.
-            return save & (k < n_total) & (clock.since_save > 0), next_edge
-
-        def check(_):
-            # A plan is needed before deciding when the old one is stale, and after a save (a
-            # new segment starts here: planned from here, its value is exact). Both are this
-            # step's plan, so it is made once: planning is most of the policy's cost, to run
-            # and to compile (which every restart of a job pays).
-            kept = decide(state.plan, state.rollback)
-            plan = jax.lax.cond(
-                stale | kept[0],
-                lambda _: make_plan(w, k, n_total, costs),
-                lambda _: state.plan,
+            save = save & (k < n_total) & (clock.since_save > 0)
+            replan_at = plan_step.astype(jnp.float32) + jnp.maximum(rf * interval, 1.0)
+            next_check = _base.halfway(seen.step, jnp.minimum(next_edge, replan_at) - k)
+            # A new segment starts here: plan it from here now, so its value is exact.
+            plan, plan_step, rollback = jax.lax.cond(
+                save,
+                lambda _: (lambda p: (p, clock.last_step, p.values[0]))(
+                    make_plan(w, k, n_total, costs)
+                ),
+                lambda _: (plan, plan_step, rollback),
                 None,
             )
-            rollback = jnp.where(
-                stale,
-                _horizon.value_before(
-                    plan,
-                    behind=(k - state.last_save.astype(jnp.float32)) * tau,
-                    exposure=exposure,
-                    end_without_save=known_end & (plan.edges[-1] >= n_total),
-                ),
-                state.rollback,
-            )
-            save, next_edge = jax.lax.cond(
-                stale, lambda _: decide(plan, rollback), lambda _: kept, None
-            )
-            plan_step = jnp.where(stale | save, clock.last_step, state.plan_step)
-            replan_at = jnp.where(stale, clock.last_step, state.plan_step).astype(jnp.float32)
-            replan_at = replan_at + jnp.maximum(rf * interval, 1.0)
-            next_check = _base.halfway(seen.step, jnp.minimum(next_edge, replan_at) - k)
-            rollback = jnp.where(save, plan.values[0], rollback)
             return save, plan, plan_step, rollback, next_check
 
         def skip(_):
