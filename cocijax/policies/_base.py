@@ -223,7 +223,7 @@ def halfway(step, steps_left) -> jnp.ndarray:
     )
 
 
-def resolve(given: float | None, estimate, prior: float, *, zero_ok: bool = False) -> jnp.ndarray:
+def resolve(given: float | None, estimate, prior, *, zero_ok: bool = False) -> jnp.ndarray:
     """``given`` if set, else the caller's ``estimate`` if valid, else ``prior``.
 
     Valid means finite and positive (or non-negative with ``zero_ok``, as a recovery time may be).
@@ -232,7 +232,7 @@ def resolve(given: float | None, estimate, prior: float, *, zero_ok: bool = Fals
         return jnp.float32(given)
     e = jnp.asarray(estimate, jnp.float32)
     ok = jnp.isfinite(e) & ((e >= 0) if zero_ok else (e > 0))
-    return jnp.where(ok, e, jnp.float32(prior))
+    return jnp.where(ok, e, jnp.asarray(prior, jnp.float32))
 
 
 # Failure rate assumed when neither the user nor the caller's measurements give one: a device

@@ -123,9 +123,11 @@ def test_state_json_continues_the_schedule():
 def test_a_first_save_decision_does_not_leave_it_without_a_step_time():
     """Found by a user: a policy whose first decision is "save" saved every step for ever
     (40 of 40, step time and cost unknown throughout). The interval after a save now stands
-    for the step time until a clean one is measured."""
+    for the step time until a clean one is measured. (CheckFreq saves at the untimed first
+    step: at the 1 s step-time prior, one step covers its stall budget; ``coci`` did too
+    while it assumed a 60 s recovery at this 10 s MTBF.)"""
     clock = FakeClock()
-    policy = cj.policies.coci(mtbf_s=10.0, cost_prior_s=0.05)
+    policy = cj.policies.checkfreq(0.05, cost_prior_s=0.05)
     sdp = cj.SaveDecisionPolicy(policy, clock=clock)
     saves = []
     for step in range(1, 41):
@@ -135,6 +137,6 @@ def test_a_first_save_decision_does_not_leave_it_without_a_step_time():
             clock.advance(0.02)  # the save Orbax makes after a "yes"
     measured = json.loads(sdp.state_json())
     assert measured["step_time_s"] == pytest.approx(0.002, rel=1e-6)
-    # With 2 ms steps and a 50 ms prior cost, Young's interval (1 s) is 500 steps: after the
+    # With 2 ms steps and a 50 ms prior cost, the 5% stall budget is 500 steps: after the
     # first save, none is due within 40 steps.
     assert saves == [1], saves
