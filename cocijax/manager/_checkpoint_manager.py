@@ -724,10 +724,7 @@ class CheckpointManager:
             except Exception as e:
                 # A writer renames a step out of the directory before it removes any of its
                 # data, so data missing under a step directory that is still there is damage.
-                if (
-                    where == "local"
-                    and not (self._directory / self._name_format.build_name(step)).exists()
-                ):
+                if where == "local" and not self.item_directory(step).parent.exists():
                     raise _Deleted(step) from e
                 if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
                     if skipped:

@@ -133,14 +133,8 @@ def copy_item(
                 )
                 await out.write(data, can_reference_source_data_indefinitely=True)
                 reader.forget((first.root, first.file))
-                chunks = math.prod(
-                    -(-n // c)
-                    for n, c in zip(
-                        metadata["shape"],
-                        metadata["chunk_grid"]["configuration"]["chunk_shape"],
-                        strict=True,
-                    )
-                )
+                grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+                chunks = _write.grid_size(metadata["shape"], grid)
                 return first.file, data.nbytes, chunks
 
         async def run() -> list[tuple[str, int, int]]:

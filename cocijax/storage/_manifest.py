@@ -363,9 +363,9 @@ def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
     directory is fsynced. A file that a later durable write supersedes needs neither.
     """
     tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps(data, separators=(",", ":"))  # one write: json.dump writes piecemeal
+    text = _json_bytes(data)  # one write: json.dump writes piecemeal
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb") as f:
             f.write(text)
             if fsync:
                 f.flush()
@@ -373,12 +373,6 @@ def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
     except OSError as e:  # write(2) and fsync(2) errors do not name the file
         raise OSError(e.errno, e.strerror, str(tmp)) from e
     os.replace(tmp, path)
-
-
-def write_json_durably(path: pathlib.Path, data: Any) -> None:
-    """Writes ``data`` to ``path`` atomically: tmp file, fsync, rename, fsync of the directory."""
-    replace_json(path, data, fsync=True)
-    fsync_dir(path.parent)
 
 
 def _read_json(path: pathlib.Path | KvPath) -> Manifest:

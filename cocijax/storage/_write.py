@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -137,5 +138,9 @@ async def check_written(stripe_dir: KvPath, pieces: dict[str, int]) -> None:
 
 def chunk_count(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> int:
     """How many chunk objects a piece of ``shape`` is stored in (see :func:`chunk_shape`)."""
-    chunks = chunk_shape(shape, itemsize, chunk_bytes)
-    return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True)) if shape else 1
+    return grid_size(shape, chunk_shape(shape, itemsize, chunk_bytes)) if shape else 1
+
+
+def grid_size(shape: Sequence[int], chunks: Sequence[int]) -> int:
+    """How many chunks of shape ``chunks`` an array of ``shape`` has (edge chunks included)."""
+    return math.prod(-(-n // c) for n, c in zip(shape, chunks, strict=True))
