@@ -248,6 +248,23 @@ def test_the_runner_decides_like_a_call_per_step(name):
         assert checks < N  # the point of it: fewer dispatches than steps
 
 
+def test_the_runner_runs_the_update_only_for_real_steps():
+    """The batch's padding rows skip ``update``: COCI's cost 20 ms a dispatch when they ran."""
+    ran: list[int] = []
+    fixed = cj.policies.fixed(3)
+
+    def update(state, *, step, **kw):
+        jax.debug.callback(lambda s: ran.append(int(s)), step)
+        return fixed.update(state, step=step, **kw)
+
+    runner = cj.policies.Runner(cj.policies.Policy(fixed.init, update))
+    saves = [s for s in range(1, 7)
+             if runner.update(s, loss=1.0, step_time_s=1.0, checkpoint_cost_s=1.0)]  # fmt: skip
+    assert saves == [3, 6]
+    jax.effects_barrier()
+    assert ran == [1, 2, 3, 4, 5, 6]  # not BATCH rows per dispatch
+
+
 def _gated(policy, gate: threading.Event, calls: list[str]):
     """``policy`` whose ``update`` waits for ``gate`` while it is traced (i.e. compiled)."""
 
