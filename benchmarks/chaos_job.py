@@ -39,6 +39,8 @@ the machine (CLOCK_MONOTONIC on Linux), so the supervisor's kill times compare w
 * ``{"step", "loss", "t"}`` after every step (the loss is read, so ``t`` is the step's end);
 * ``{"event": "save", "step", "t0", "t1", ...}`` after a save that blocked from ``t0`` to ``t1``
   (for the cocijax manager, with what its policy was told: ``mngr.measurements``);
+* ``{"event": "commit", "step", "t"}`` at the end of the first step after a save's
+  background write committed (asked after every step while one is writing);
 * ``{"event": "done", "t", "digest"}`` after the last step.
 """
 
@@ -252,6 +254,10 @@ class Checkpoints:
             )
         return record
 
+    def writing(self) -> bool:
+        """Whether a save is still writing in the background (not yet committed)."""
+        return self.mngr is not None and self.mngr.is_saving_in_progress()
+
     def close(self) -> None:
         if self.mngr is not None:
             self.mngr.close()
@@ -314,13 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     mib = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20
     log.write({"event": "ready", "t": phases["compile"], "restored": start or None,
                "state_mib": round(mib, 1), **phases})  # fmt: skip
+    writing = None  # the step whose save is still writing
     for step in range(start + 1, args.steps + 1):
         state, loss = train_step(state, jnp.asarray(job.positions(step)))
         loss_value = float(loss)  # waits for the step: `t` is its end
         log.write({"step": step, "loss": loss_value, "t": time.monotonic()})
+        if writing is not None and not ckpt.writing():
+            log.write({"event": "commit", "step": writing, "t": time.monotonic()})
+            writing = None
         record = ckpt.save(step, state, loss)
         if record is not None:
+            if writing is not None:  # a save first waits for the previous one to commit
+                log.write({"event": "commit", "step": writing, "t": record["t1"]})
             log.write(record)
+            writing = step
     log.write({"event": "done", "t": time.monotonic(), "digest": digest(state)})
     ckpt.close()
     return 0

@@ -25,7 +25,8 @@ Ways to score a schedule, and the best schedule:
   finishing: a schedule that rarely saves under a high failure rate needs ``exp(job / MTBF)``
   restarts, which no simulation (and no job) should wait for.
 * :func:`replay` runs the model of :func:`simulate` once, with failures at given times (a
-  recorded run's), to predict what that run should have lost.
+  recorded run's), to predict what that run should have lost; it can also let saves commit
+  some time after their stall (asynchronous saves), which :func:`simulate` does not.
 * :func:`expected_overhead` gives the exact expectation under Poisson failures, segment by
   segment (the formula is in :mod:`cocijax.policies._horizon`, which plans with it).
 * :func:`optimal_schedule` is the schedule minimising the expected weighted overhead under
@@ -217,14 +218,16 @@ def replay(
     checkpoint_cost_s: float,
     recovery_s: float,
     weights=None,
+    commit_s: float = 0.0,
 ) -> SimResult:
     """The overhead of one job whose failures came at given times: a recorded run, replayed.
 
     The cost model of :func:`simulate`, with one trial whose failures are not drawn but given,
-    e.g. the failures a real run suffered, to predict what that run should have lost. As there,
-    a save is safe once its stall ends: an asynchronous save that had not committed when a
-    failure came (the job resumes from the save before it) is not modelled, nor are step,
-    stall and recovery times that vary within the run.
+    e.g. the failures a real run suffered, to predict what that run should have lost. Unlike
+    there, a save may commit after its stall ends: an asynchronous save writes on while
+    training goes on, and a failure before it has committed rolls the job back to the newest
+    save that had (``commit_s``). Step, stall and recovery times that vary within the run are
+    not modelled.
 
     Args:
       save_steps: 1-based steps after which the job saves (as in :func:`simulate`).
@@ -236,6 +239,8 @@ def replay(
       recovery_s: seconds to recover after each failure (a failure during a recovery
         restarts it).
       weights: per-step value weights (length ``n_steps``); ``None`` means all 1.
+      commit_s: seconds from the end of a save's stall until it has committed (0: safe once
+        its stall ends, as :func:`simulate` assumes).
 
     Returns:
       A :class:`SimResult` of the one job (standard errors 0, ``finished`` 1, ``failures``
@@ -246,12 +251,16 @@ def replay(
         ``failure_times_s`` if it is not a non-decreasing list of finite, non-negative times.
 
     Example:
-      >>> r = replay([50, 100], [70.0], n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0,
-      ...            recovery_s=5.0)
+      >>> job = dict(n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0, recovery_s=5.0)
+      >>> r = replay([50, 100], [70.0], **job)
       >>> r.failures, r.recompute_s, r.recovery_s, r.stall_s  # 19 s after the save at step 50
       (1.0, 19.0, 5.0, 2.0)
+      >>> replay([50, 100], [52.0], commit_s=3.0, **job).recompute_s  # step 50 not committed
+      51.0
     """
     _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s=1.0)  # none needed
+    if not (np.isfinite(commit_s) and commit_s >= 0):
+        raise ValueError(f"commit_s must be a non-negative number, got {commit_s}.")
     times = np.asarray(failure_times_s, dtype=np.float64)
     if (
         times.ndim != 1
@@ -264,32 +273,51 @@ def replay(
         )
     n_steps = int(n_steps)
     steps = _save_steps(save_steps, n_steps)
-    gaps = iter(np.diff(times, prepend=0.0))
-
-    def draw(k: int) -> np.ndarray:
-        # The time from one failure to the next, as a renewal process draws it; none after
-        # the last given failure.
-        return np.array([next(gaps, math.inf) for _ in range(k)])
-
-    t = _Trials(1, draw(1), math.inf)
-    _walk(
-        t,
-        steps,
-        n_steps,
-        step_time_s,
-        checkpoint_cost_s,
-        recovery_s,
-        _weights(weights, n_steps),
-        draw,
-    )
+    cw = _cumulative_work(_weights(weights, n_steps), step_time_s)
+    failures = iter(times.tolist())
+    t = _Trials(1, np.zeros(1), math.inf)
+    now, fail_at = 0.0, next(failures, math.inf)
+    pos = safe = 0  # the step the job runs on from; the newest committed save
+    pending: list[tuple[float, int]] = []  # (commit time, step) of saves not known committed
+    while pos < n_steps:
+        i = int(np.searchsorted(steps, pos, side="right"))
+        end = int(steps[i]) if i < steps.size else n_steps
+        c = checkpoint_cost_s if i < steps.size else 0.0
+        work = (end - pos) * step_time_s
+        if now + work + c <= fail_at:
+            now += work + c
+            t.stall[0] += c
+            if i < steps.size:
+                pending.append((now + commit_s, end))
+            pos = end
+            continue
+        # A failure: the job rolls back to the newest save committed by then.
+        done = min(fail_at - now, work)
+        t.stall[0] += fail_at - now - done
+        safe = max([safe] + [s for when, s in pending if when <= fail_at])
+        reached = pos + done / step_time_s
+        t.lost[0] += reached * step_time_s - safe * step_time_s
+        t.lost_w[0] += np.interp(reached, np.arange(n_steps + 1), cw) - cw[safe]
+        t.fails[0] += 1
+        now, fail_at = fail_at, next(failures, math.inf)
+        while fail_at - now < recovery_s:  # a failure during the recovery restarts it
+            t.recov[0] += fail_at - now
+            t.fails[0] += 1
+            now, fail_at = fail_at, next(failures, math.inf)
+        t.recov[0] += recovery_s
+        now += recovery_s
+        pos, pending = safe, []
     return t.result(steps.size)
+
+
+def _cumulative_work(w: np.ndarray, step_time_s: float) -> np.ndarray:
+    """Weighted work seconds at each step boundary (lost work is a difference of it)."""
+    return np.concatenate([[0.0], np.cumsum(w)]) * step_time_s
 
 
 def _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw) -> None:
     """Runs the trials ``t`` through the schedule; ``draw(k)`` gives the next ``k`` gaps."""
-    # Cumulative weighted work at step boundaries; lost weighted work is a difference of it,
-    # linearly interpolated inside a step.
-    cw = np.concatenate([[0.0], np.cumsum(w)]) * step_time_s
+    cw = _cumulative_work(w, step_time_s)  # lost work: interpolated inside a step
     for s0, s1, c in _segments(steps, n_steps, checkpoint_cost_s):
         work = (s1 - s0) * step_time_s
         dur = work + c

@@ -64,6 +64,11 @@ def test_a_killed_job_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted
     assert events.count("spawn") == 2 and events.count("kill") == 1
     kill = events.index("kill")
     saved = {r["step"] for r in log[:kill] if r.get("event") == "save"}
+    # Each commit is logged after its save; the first one committed long before the kill.
+    order = {(r.get("event"), r.get("step")): i for i, r in enumerate(log)}
+    commits = [r["step"] for r in log if r.get("event") == "commit"]
+    assert all(order["save", s] < order["commit", s] for s in commits), commits
+    assert 1 in commits and order["commit", 1] < kill
     first, second = (r for r in log if r.get("event") == "ready")
     assert first["restored"] is None
     assert second["restored"] in saved

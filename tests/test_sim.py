@@ -314,6 +314,49 @@ def test_replays_of_poisson_failures_average_to_the_exact_expectation():
     assert np.mean(walls) == pytest.approx(exact, abs=4 * se)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.integers(1, 60), max_size=8),
+    gaps=st.lists(st.floats(0.1, 40.0), max_size=6),
+    weights=st.lists(st.floats(0.0, 4.0), min_size=60, max_size=60),
+)
+def test_replay_with_instant_commits_is_the_simulators_walk(steps, gaps, weights):
+    # The replay's event loop against the segment walk of `simulate`, fed the same gaps.
+    kw = dict(n_steps=60, step_time_s=1.0, checkpoint_cost_s=1.5, recovery_s=3.0)
+    got = sim.replay(steps, np.cumsum(gaps), weights=weights, **kw)
+    it = iter(gaps)
+    draw = lambda k: np.array([next(it, math.inf) for _ in range(k)])
+    walked = sim._Trials(1, draw(1), math.inf)
+    sim._walk(walked, sim._save_steps(steps, 60), 60, 1.0, 1.5, 3.0, np.asarray(weights), draw)
+    assert got == pytest.approx(walked.result(got.n_saves))
+
+
+@pytest.mark.parametrize(
+    ("failures", "recomputed"),
+    [
+        # The save at step 50 stalls until 51 s and commits at 54 s: a failure at 52 s rolls
+        # back to the start (50 steps and 1 s lost), one at 54 s to step 50 (3 s lost).
+        ([52.0], 51.0),
+        ([54.0], 3.0),
+        # In the stall of step 100 (ends at 102 s, the job's end): step 50 is committed.
+        ([101.5], 50.0),
+        # After a rollback the save at step 50 is made again (at 108 s, committed at 111 s):
+        # the second failure, at 110 s, rolls back to the start again.
+        ([52.0, 110.0], 51.0 + 52.0),
+    ],
+)
+def test_replay_rolls_back_past_a_save_that_had_not_committed(failures, recomputed):
+    res = sim.replay([50, 100], failures, commit_s=3.0, **REPLAY)
+    assert res.recompute_s == pytest.approx(recomputed)
+    assert res.failures == len(failures)
+
+
+@pytest.mark.parametrize("commit_s", [-1.0, math.nan, math.inf])
+def test_replay_refuses_a_commit_time_out_of_range(commit_s):
+    with pytest.raises(ValueError, match="commit_s"):
+        sim.replay([50], [], commit_s=commit_s, **REPLAY)
+
+
 @pytest.mark.parametrize("times", [[5.0, 3.0], [-1.0], [math.nan], [[1.0, 2.0]]])
 def test_replay_refuses_failure_times_that_are_not_a_timeline(times):
     with pytest.raises(ValueError, match="failure_times_s"):

@@ -855,6 +855,15 @@ class CheckpointManager:
                 self._apply_retention()
                 self._collect_garbage()
 
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save has started and not yet committed (as Orbax's manager answers it).
+
+        A step whose ``save`` returned True is safe from a crash only once this is False: the
+        save writes on in the background after it returns.
+        """
+        self._check_open()
+        return self.orbax.is_saving_in_progress()
+
     def _settle(self) -> None:
         """Tells the drain that no local save is in flight (the manager waited for it)."""
         if self._durable is not None:

@@ -468,19 +468,22 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
             )
 
 
-def test_a_save_in_flight_is_not_listed_until_committed(tmp_path, monkeypatch):
+def test_a_save_in_flight_is_not_listed_or_done_until_committed(tmp_path, monkeypatch):
     # The save is held in its commit (at the fsync of its files) until the test lets it go.
     release = threading.Event()
     fsync_file = _direct.fsync_file
     monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     state = {"w": np.ones((4, 1 << 18), np.float32)}
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
+        assert not mngr.is_saving_in_progress()
         assert mngr.save(1, state, loss=1.0)
         assert 1 in mngr.orbax.all_steps()  # Orbax lists the step it is writing...
         assert mngr.all_steps() == [] and mngr.latest_step() is None  # ...cocijax does not
         assert not (mngr.item_directory(1) / storage.MANIFEST_NAME).exists()
+        assert mngr.is_saving_in_progress()
         release.set()
         mngr.wait_until_finished()
+        assert not mngr.is_saving_in_progress()
         assert mngr.all_steps() == [1] and mngr.latest_step() == 1
         mngr.delete(1)
         assert mngr.all_steps() == [] and mngr.latest_step() is None
