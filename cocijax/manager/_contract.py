@@ -32,7 +32,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import (
-    TYPE_CHECKING,
     Any,
     Generic,
     NamedTuple,
@@ -42,9 +41,6 @@ from typing import (
     overload,
     runtime_checkable,
 )
-
-if TYPE_CHECKING:
-    from cocijax.manager._driver import PolicyDriver
 
 __all__ = [
     "MEASUREMENTS",
@@ -284,7 +280,9 @@ class FromDriver(Generic[T]):
       doc: the attribute's documentation.
     """
 
-    def __init__(self, read: Callable[[PolicyDriver], T], doc: str):
+    # ``read`` takes the driver as Any: naming PolicyDriver here would make this module and
+    # _driver (which takes Measurements from here) import each other.
+    def __init__(self, read: Callable[[Any], T], doc: str):
         self._read = read
         self.__doc__ = doc
         self._name = "attribute"
