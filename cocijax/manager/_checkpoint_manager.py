@@ -41,10 +41,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from cocijax import storage
-from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import (
+    MEASUREMENTS,
+    POLICY_STATE,
     ManagerClosedError,
-    Measurements,
     StepDeletedError,
     check_step,
     check_step_order,
@@ -61,7 +61,7 @@ from cocijax.manager._directory import (
     merge_options,
     split_best,
 )
-from cocijax.manager._driver import PolicyDriver, stage_loss
+from cocijax.manager._driver import manager_driver, stage_loss
 from cocijax.manager._faults import naming, retry_deletions, run_all, wait
 from cocijax.manager._gc import collect_garbage
 from cocijax.manager._history import RunHistory, process_age_s
@@ -197,8 +197,6 @@ class CheckpointManager:
         durable_max_to_keep: int | None = None,
         durable_options: dict[str, Any] | None = None,
     ):
-        from cocijax import policies
-
         age = process_age_s()
         if not isinstance(directory, str | os.PathLike):
             raise TypeError(
@@ -244,13 +242,10 @@ class CheckpointManager:
         self._reached_preemption = False
         self._preempted_step: int | None = None
         self._read_only = options.read_only
-        self._policy_warned = False  # a policy state that cannot be continued is said once
         self._async = options.enable_async_checkpointing
         self._name_format = options.step_name_format
         self._primary = jax.process_index() == (options.multiprocessing_options.primary_host or 0)
-        prior = policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
-        prior = check("prior_mtbf_s", prior, POSITIVE)
-        policy = policies.coci() if policy is None else policy
+        make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
         # The durable tier (None without one): its drain pins the steps it still needs.
         self._durable = open_durable(
             durable,
@@ -285,15 +280,12 @@ class CheckpointManager:
                 writer=self._lock is not None,
                 opened_at_age_s=age,
             )
-            self._driver = PolicyDriver(
-                policy,
-                clock=clock,
+            self._driver = make_driver(
                 history=self._history,
-                prior_mtbf_s=prior,
-                save_final_step=True,
                 # A reader never decides: a compile per opening cost seconds of CPU each (a
                 # reader opening managers in a loop ran long past its loop, compiling).
                 compile_now=not self._read_only,
+                drain_s=None if self._durable is None else self._last_drain_s,
             )
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
@@ -349,6 +341,9 @@ class CheckpointManager:
             self._lock.release if self._lock is not None else _nothing,
         )
 
+    def _last_drain_s(self) -> float:
+        return self._durable.drain_s
+
     # -- listing ----------------------------------------------------------------------------
 
     @property
@@ -367,19 +362,8 @@ class CheckpointManager:
         """Where this directory's stripes go: one folder per root, private to this directory."""
         return self._stripe_roots
 
-    @property
-    def policy_state(self) -> Any:
-        """The current policy state (a pytree of arrays)."""
-        return self._driver.state
-
-    @property
-    def measurements(self) -> Measurements:
-        """The inputs of the policy's last decision (see :class:`Measurements`), and the time
-        of the last drain to the durable tier (``drain_s``)."""
-        measured = self._driver.measurements()
-        if self._durable is not None:
-            measured = measured._replace(drain_s=self._durable.drain_s)
-        return measured
+    policy_state = POLICY_STATE
+    measurements = MEASUREMENTS
 
     @property
     def restored_step(self) -> int | None:
@@ -785,26 +769,14 @@ class CheckpointManager:
         try:
             data = self._restore_items(step, copy, {POLICY_ITEM: PolicyStateRestore()})[POLICY_ITEM]
         except (ValueError, OSError, KeyError, storage.CorruptCheckpointError) as e:
-            self._warn_policy(f"the policy state of step {step} cannot be read ({e})")
+            reason = f"the policy state of step {step} cannot be read ({e})"
+            self._driver.start_fresh(reason, stacklevel=3)  # the user's open or restore
             return
         if history:
             self._driver.load_history(data)
-        try:
-            self._driver.load_json(data, where=str(where))
-        except (ValueError, KeyError, TypeError) as e:
-            self._warn_policy(str(e))
-            return
-        # The saved step counts as seen: the next call must be after it.
-        self._driver.step = step
-
-    def _warn_policy(self, reason: str) -> None:
-        if not self._policy_warned:
-            self._policy_warned = True
-            warnings.warn(
-                f"{reason}; this manager's policy starts its schedule fresh.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        if self._driver.adopt(data, where=str(where), stacklevel=3):
+            # The saved step counts as seen: the next call must be after it.
+            self._driver.step = step
 
     # -- delete, wait, close ----------------------------------------------------------------
 

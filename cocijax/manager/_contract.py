@@ -21,18 +21,32 @@ every training step and a policy decides. Both raise the same errors for the sam
 
 Both keep the best steps by ``metrics`` with :class:`cocijax.manager._retention.BestN` (the
 newest ``keep_latest`` steps are never dropped) and turn preemption signals into one save with
-:class:`cocijax.manager._preemption.PreemptionWatcher`.
+:class:`cocijax.manager._preemption.PreemptionWatcher`. Both answer ``policy_state`` and
+``measurements`` from their driver (``cocijax.manager._driver.PolicyDriver``) with the same
+attributes, :data:`POLICY_STATE` and :data:`MEASUREMENTS` (see :class:`FromDriver`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import (
+    Any,
+    Generic,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    final,
+    overload,
+    runtime_checkable,
+)
 
 __all__ = [
+    "MEASUREMENTS",
+    "POLICY_STATE",
     "DirectoryLockedError",
+    "FromDriver",
     "ManagerClosedError",
     "ManagerProtocol",
     "Measurements",
@@ -67,6 +81,9 @@ class ManagerClosedError(ValueError, RuntimeError):
 
 class Measurements(NamedTuple):
     """What the policy was told at the last ``save`` call, and what the job has learned.
+
+    With several processes (or ranks) they are this process's own; the policy was given
+    process 0's (rank 0's).
 
     Attributes:
       step_time_s: the step time it was given (the interval since the previous call, minus a
@@ -242,3 +259,64 @@ class ManagerProtocol(Protocol):
     def __enter__(self) -> Any: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+T = TypeVar("T")
+
+
+@final
+class FromDriver(Generic[T]):
+    """A manager's read-only attribute, answered by the manager's :class:`PolicyDriver`.
+
+    Every manager holds its driver as ``_driver`` and answers the same questions from it; each
+    declares the answer as a class attribute (``policy_state = POLICY_STATE``) instead of a
+    property of its own that forwards to the driver, so that the answer and its documentation
+    are written once. It reads as a property does: ``manager.policy_state`` is the answer,
+    ``type(manager).policy_state`` this object (its ``__doc__`` the documentation), and
+    assigning raises ``AttributeError``.
+
+    Args:
+      read: the answer, from the driver.
+      doc: the attribute's documentation.
+    """
+
+    # ``read`` takes the driver as Any: naming PolicyDriver here would make this module and
+    # _driver (which takes Measurements from here) import each other.
+    def __init__(self, read: Callable[[Any], T], doc: str):
+        self._read = read
+        self.__doc__ = doc
+        self._name = "attribute"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, manager: None, owner: type | None = None) -> FromDriver[T]: ...
+
+    @overload
+    def __get__(self, manager: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, manager: object, owner: type | None = None) -> FromDriver[T] | T:
+        if manager is None:
+            return self
+        return self._read(manager._driver)  # type: ignore[attr-defined]
+
+    def __set__(self, manager: object, value: Any) -> None:
+        # A data descriptor, as a property is: the answer cannot be shadowed by assignment.
+        raise AttributeError(f"{self._name} is read-only: the policy driver answers it.")
+
+
+POLICY_STATE: FromDriver[Any] = FromDriver(
+    lambda driver: driver.state,
+    """The policy state after the latest ``save`` call (a pytree of arrays).
+
+    Reading it first feeds the policy the steps it skipped (see
+    :class:`cocijax.policies.Runner`), with the inputs broadcast from process 0 (rank 0): with
+    several processes, read it on every one.""",
+)
+
+MEASUREMENTS: FromDriver[Measurements] = FromDriver(
+    lambda driver: driver.measurements(),
+    """The inputs of the policy's last decision, and what the job has learned so far
+    (see :class:`Measurements`).""",
+)

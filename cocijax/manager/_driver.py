@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, final
 
 import jax
 import numpy as np
 
+from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import Measurements
 from cocijax.manager._history import RunHistory
-from cocijax.policies import Runner
+from cocijax.policies import Runner, coci, default_prior_mtbf_s
 
-__all__ = ["PolicyDriver", "check_policy", "read_loss", "stage_loss"]
+__all__ = ["PolicyDriver", "check_policy", "manager_driver", "read_loss", "stage_loss"]
 
 # /2 records each leaf's key path, so a policy whose state gained fields still loads older
 # states (new fields start at their initial values); /1 (cocijax 0.1) matched by position.
@@ -44,6 +47,39 @@ def check_policy(policy: Any) -> None:
             f"policy: expected a cocijax.policies.Policy (an (init, update) pair, e.g. "
             f"cj.policies.coci()), got {type(policy).__name__}."
         )
+
+
+def manager_driver(
+    policy: Any, prior_mtbf_s: float | None, *, clock: Callable[[], float]
+) -> Callable[..., PolicyDriver]:
+    """How a manager makes its driver, from its ``policy`` and ``prior_mtbf_s`` arguments.
+
+    Both managers take the same two arguments with the same defaults, and drive the policy the
+    same way: the job's learned MTBF starts from the prior, and a policy that knows the job's
+    length saves its final step. The arguments are checked now, before the manager touches its
+    directory; the driver is made once the directory's history is open.
+
+    Args:
+      policy: a :mod:`cocijax.policies` policy, or ``None`` for ``coci()``.
+      prior_mtbf_s: the MTBF the learned estimate starts from, or ``None`` for
+        :func:`cocijax.policies.default_prior_mtbf_s`.
+      clock: the manager's monotonic clock in seconds.
+
+    Returns:
+      :class:`PolicyDriver` with those set: the manager passes ``history=`` and its own
+      options.
+
+    Raises:
+      TypeError: ``policy`` is not a policy.
+      ValueError: ``prior_mtbf_s`` is not a positive number.
+    """
+    policy = coci() if policy is None else policy
+    check_policy(policy)
+    prior = default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
+    prior = check("prior_mtbf_s", prior, POSITIVE)
+    return functools.partial(
+        PolicyDriver, policy, clock=clock, prior_mtbf_s=prior, save_final_step=True
+    )
 
 
 def stage_loss(loss: Any) -> Any:
@@ -140,6 +176,8 @@ class PolicyDriver:
       compile_now: start compiling the policy's update in the background at once (see
         :meth:`cocijax.policies.Runner.compile`); a read-only manager, which never decides,
         passes False.
+      drain_s: how long the last drain to a durable tier took (the JAX manager's tier), for
+        :meth:`measurements`; ``None`` without a durable tier.
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
@@ -161,6 +199,7 @@ class PolicyDriver:
         save_final_step: bool = False,
         broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
         compile_now: bool = True,
+        drain_s: Callable[[], float] | None = None,
     ):
         check_policy(policy)
         self.policy = policy
@@ -175,6 +214,8 @@ class PolicyDriver:
         self._prior_mtbf_s = prior_mtbf_s
         self._clock = clock
         self._cost_from_intervals = cost_from_intervals
+        self._drain_s = drain_s
+        self._said_fresh = False  # a saved schedule that cannot continue is said once
         self.step: int | None = None
         self.step_time_s = math.nan
         self.cost_s = math.nan
@@ -211,6 +252,7 @@ class PolicyDriver:
             mtbf_s=self.mtbf_s,
             recovery_s=self.recovery_s,
             failures=0 if self.history is None else self.history.failures,
+            drain_s=math.nan if self._drain_s is None else self._drain_s(),
         )
 
     def restart_timing(self) -> None:
@@ -356,6 +398,43 @@ class PolicyDriver:
         self.runner.state = jax.tree.unflatten(treedef, leaves)
         self.step = step
         self.step_time_s, self.cost_s, self.loss = times
+
+    def adopt(self, data: Any, *, where: str, stacklevel: int) -> bool:
+        """Adopts a saved policy state (:meth:`load_json`), or warns once that it cannot.
+
+        A state saved by another policy (or damaged) cannot be continued: the policy keeps the
+        schedule it has, and :meth:`start_fresh` says so.
+
+        Args:
+          data: the decoded JSON saved with a checkpoint.
+          where: the file it came from, for the warning.
+          stacklevel: as for ``warnings.warn``, counted from the caller (1: its own line).
+
+        Returns:
+          Whether the state was adopted.
+        """
+        try:
+            self.load_json(data, where=where)
+        except (KeyError, TypeError, ValueError) as e:
+            self.start_fresh(str(e), stacklevel=stacklevel + 1)
+            return False
+        return True
+
+    def start_fresh(self, reason: str, *, stacklevel: int) -> None:
+        """Warns that a saved schedule cannot be continued (once per driver, so per manager).
+
+        Args:
+          reason: why, naming the file.
+          stacklevel: as for ``warnings.warn``, counted from the caller (1: its own line).
+        """
+        if self._said_fresh:
+            return
+        self._said_fresh = True
+        warnings.warn(
+            f"{reason}; this manager's policy starts its schedule fresh.",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
     def load_history(self, data: dict[str, Any] | None) -> None:
         """Adopts the job history saved with a checkpoint (any policy's: it is the job's)."""

@@ -47,7 +47,7 @@ from cocijax import storage
 from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM, STEP_RE
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
 
-__all__ = ["STEP_FILES", "DurableTier", "DurableTierError", "pin_steps"]
+__all__ = ["STEP_FILES", "DurableOptions", "DurableTier", "DurableTierError", "pin_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,12 @@ class DurableTierError(RuntimeError):
     """A step could not be drained to the durable tier (names the step and the URL)."""
 
 
-class DurableTier:
-    """The durable copy of a checkpoint directory, and the thread that drains steps to it.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DurableOptions:
+    """What a :class:`DurableTier` is opened with: fixed for its life, so that the drain thread
+    reads them without the lock that guards the tier's changing state.
 
-    Args:
-      where: an object-store URL (``s3://bucket/run42``, ``gs://...``) or a path.
-      options: TensorStore kvstore options for an object store (``endpoint``, ...).
-      source_options: kvstore options of the local tier's roots when they are on an object
-        store themselves (the handler's ``root_options``).
+    Attributes:
       local: the local checkpoint directory.
       step_name: the local step directory name of a step (Orbax's name format).
       every: drain every ``every``-th committed step (1: all of them).
@@ -79,34 +77,35 @@ class DurableTier:
         never deleted.
       writer: this process drains and collects garbage (the primary writer); otherwise the
         tier is only listed and read.
+      store_options: TensorStore kvstore options for an object store (``endpoint``, ...).
+      source_options: kvstore options of the local tier's roots when they are on an object
+        store themselves (the handler's ``root_options``).
       memory_bytes: piece data held in memory by a drain at once.
       clock: seconds, for the measured drain time.
     """
 
-    def __init__(
-        self,
-        where: str | os.PathLike,
-        options: Mapping[str, Any] | None,
-        *,
-        source_options: Mapping[str, Any] | None = None,
-        local: Path,
-        step_name: Callable[[int], str],
-        every: int,
-        max_to_keep: int | None,
-        writer: bool,
-        memory_bytes: int = 512 << 20,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.root = storage.KvPath.parse(where, options)
-        self._options = options
-        self._source_options = source_options
-        self._local = local
-        self._step_name = step_name
-        self._every = every
-        self._max_to_keep = max_to_keep
-        self._writer = writer
-        self._memory_bytes = memory_bytes
-        self._clock = clock
+    local: Path
+    step_name: Callable[[int], str]
+    every: int
+    max_to_keep: int | None
+    writer: bool
+    store_options: Mapping[str, Any] | None = None
+    source_options: Mapping[str, Any] | None = None
+    memory_bytes: int = 512 << 20
+    clock: Callable[[], float] = time.monotonic
+
+
+class DurableTier:
+    """The durable copy of a checkpoint directory, and the thread that drains steps to it.
+
+    Args:
+      where: an object-store URL (``s3://bucket/run42``, ``gs://...``) or a path.
+      options: how it is used (see :class:`DurableOptions`).
+    """
+
+    def __init__(self, where: str | os.PathLike, options: DurableOptions):
+        self.root = storage.KvPath.parse(where, options.store_options)
+        self.options = options
         self._cond = threading.Condition()
         self._steps: set[int] | None = None  # committed durable steps; None: not yet listed
         self._offered: int | None = None  # the newest step waiting to be drained
@@ -133,7 +132,7 @@ class DurableTier:
         cannot be listed now is logged, not raised: training goes on locally.
         """
         self.refresh()
-        if not self._writer:
+        if not self.options.writer:
             return
         self._thread = threading.Thread(target=self._run, name="cocijax-drain", daemon=True)
         self._thread.start()
@@ -187,12 +186,12 @@ class DurableTier:
         Every ``every``-th offered step is taken (``force``: this one whatever the count). A
         step still waiting when a newer one is taken is skipped: only the newest is drained.
         """
-        if not self._writer:
+        if not self.options.writer:
             return
         with self._cond:
             self._local_settled = False
             self._since_offer += 1
-            if not force and self._since_offer < self._every:
+            if not force and self._since_offer < self.options.every:
                 return
             self._since_offer = 0
             if self._offered is not None:
@@ -238,7 +237,7 @@ class DurableTier:
                     self._cond.notify_all()
 
     def _local_step(self, step: int) -> Path:
-        return self._local / self._step_name(step)
+        return self.options.local / self.options.step_name(step)
 
     def _wait_for_local_commit(self, step: int) -> bool:
         """Waits until Orbax renamed the step into place (its manifest is then there)."""
@@ -252,7 +251,7 @@ class DurableTier:
         return True
 
     def _drain(self, step: int) -> None:
-        start = self._clock()
+        start = self.options.clock()
         source = self._local_step(step)
         dest = self.root / str(step)
         if dest.list():  # an earlier, interrupted drain: never committed, so start afresh
@@ -270,9 +269,9 @@ class DurableTier:
         copied = storage.copy_item(
             source / STATE_ITEM,
             dest / STATE_ITEM,
-            source_options=self._source_options,
-            dest_options=self._options,
-            memory_bytes=self._memory_bytes,
+            source_options=self.options.source_options,
+            dest_options=self.options.store_options,
+            memory_bytes=self.options.memory_bytes,
             commit=False,
         )
         record = {"format": _STEP_FORMAT, "version": 1, "step": step, "files": files}
@@ -280,7 +279,7 @@ class DurableTier:
         # The commit: the state manifest, after every other object of the step is there.
         manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
         storage.write_manifest(dest / STATE_ITEM, manifest)
-        elapsed = self._clock() - start
+        elapsed = self.options.clock() - start
         with self._cond:
             if self._steps is not None:
                 self._steps.add(step)
@@ -338,7 +337,7 @@ class DurableTier:
     def collect_garbage(self) -> None:
         """Deletes committed steps beyond ``max_to_keep`` (never the newest) and the prefixes of
         drains that never committed (except the one in progress)."""
-        if not self._writer:
+        if not self.options.writer:
             return
         committed, incomplete = scan(self.root)
         with self._cond:
@@ -350,8 +349,8 @@ class DurableTier:
                     "%s: removing step %d, never committed (an interrupted drain)", self.url, step
                 )
                 (self.root / str(step)).delete_all()
-        if self._max_to_keep is not None:
-            for step in committed[: -max(self._max_to_keep, 1)]:
+        if self.options.max_to_keep is not None:
+            for step in committed[: -max(self.options.max_to_keep, 1)]:
                 self.delete(step)
 
     def delete(self, step: int) -> None:
@@ -383,7 +382,7 @@ class DurableTier:
     def _registry(self) -> ocp.handlers.CheckpointHandlerRegistry:
         # Pieces on the durable tier are read with its options; the policy item as locally.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state = storage.StripedCheckpointHandler(root_options=self._options)
+        state = storage.StripedCheckpointHandler(root_options=self.options.store_options)
         registry.add(STATE_ITEM, storage.StripedRestore, state)
         registry.add(POLICY_ITEM, PolicyStateRestore, PolicyStateHandler())
         return registry
@@ -539,6 +538,11 @@ def open_durable(
 ) -> DurableTier | None:
     """The durable tier of a manager (``None`` without one), its arguments checked.
 
+    Args:
+      durable: the manager's ``durable``; ``options`` its ``durable_options``, ``every`` its
+        ``durable_every`` and ``max_to_keep`` its ``durable_max_to_keep``.
+      **kwargs: the other :class:`DurableOptions`.
+
     Raises:
       TypeError: ``durable`` is not a path or URL, ``durable_every``/``durable_max_to_keep``
         not ints, ``durable_options`` not a dict.
@@ -567,7 +571,8 @@ def open_durable(
             f"durable: expected a path or an object-store URL (s3://bucket/prefix), got "
             f"{type(durable).__name__}."
         )
+    tier = DurableOptions(store_options=options, every=every, max_to_keep=max_to_keep, **kwargs)
     try:
-        return DurableTier(durable, options, every=every, max_to_keep=max_to_keep, **kwargs)
+        return DurableTier(durable, tier)
     except (TypeError, ValueError) as e:
         raise type(e)(f"durable={str(durable)!r}: {e}") from e

@@ -105,14 +105,18 @@ class Policy(NamedTuple):
 
 
 class Seen(NamedTuple):
-    """The inputs of one ``update`` call (see :class:`UpdateFn`), as a policy's rule sees them."""
+    """The inputs of one ``update`` call (see :class:`UpdateFn`), as a policy's rule sees them.
 
-    step: Any
-    loss: Any
-    step_time_s: Any
-    checkpoint_cost_s: Any
-    mtbf_s: Any = math.nan
-    recovery_s: Any = math.nan
+    Scalars, traced inside the jitted ``update``; ``mtbf_s`` and ``recovery_s`` are the Python
+    NaN when the caller does not give them.
+    """
+
+    step: jax.typing.ArrayLike  # shape=(), int: completed training steps (1-based)
+    loss: jax.typing.ArrayLike  # shape=(), float: this step's loss (NaN/inf: ignored)
+    step_time_s: jax.typing.ArrayLike  # shape=(), float: seconds of this step
+    checkpoint_cost_s: jax.typing.ArrayLike  # shape=(), float: latest save stall (NaN: unknown)
+    mtbf_s: jax.typing.ArrayLike = math.nan  # shape=(), float: the caller's MTBF (NaN: unknown)
+    recovery_s: jax.typing.ArrayLike = math.nan  # shape=(), float: the caller's recovery time
 
 
 def make_policy(

@@ -151,34 +151,24 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                     f"roots[{resolved.index(path)}]; each root must be distinct."
                 )
             resolved.append(path)
-        for name, value, low in (
-            ("concurrency", concurrency, 1),
-            ("chunk_bytes", chunk_bytes, 1),
-            ("piece_bytes", piece_bytes, 1),
-            ("small_bytes", small_bytes, 0),
-            ("compression_level", compression_level, -131072),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {compression!r}.")
         self._roots: tuple[pathlib.Path | KvPath | None, ...] = tuple(resolved) or (None,)
-        self._root_options = root_options
-        self._chunk_bytes = chunk_bytes
-        self._piece_bytes = piece_bytes
-        self._small_bytes = small_bytes
-        self._compression = compression
-        self._compression_level = compression_level
-        self._checksums = checksums
-        self._direct_writes = direct_writes
-        self._reuse_host_buffers = reuse_host_buffers
+        self._options = _Options(
+            root_options=root_options,
+            concurrency=concurrency,
+            encoding=_write.Encoding(chunk_bytes, compression, compression_level),
+            piece_bytes=piece_bytes,
+            small_bytes=small_bytes,
+            checksums=checksums,
+            direct_writes=direct_writes,
+            reuse_host_buffers=reuse_host_buffers,
+            primary_host=(
+                multiprocessing_options or options_lib.MultiprocessingOptions()
+            ).primary_host,
+        )
         self._buffers = _io.HostBuffers()
-        self._concurrency = concurrency
         self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
-        self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
-        options = multiprocessing_options or options_lib.MultiprocessingOptions()
-        self._primary_host = options.primary_host
         self._context = _io.make_context(concurrency)
+        self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
@@ -196,7 +186,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Blocking write+fsync calls release the GIL: `concurrency` files are in flight.
         if self._io_executor is None:
             self._io_executor = concurrent.futures.ThreadPoolExecutor(
-                self._concurrency, thread_name_prefix="cocijax-write"
+                self._options.concurrency, thread_name_prefix="cocijax-write"
             )
         return self._io_executor
 
@@ -258,10 +248,10 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             return _snapshot.take(
                 item,
                 self._roots,
-                piece_bytes=self._piece_bytes,
-                small_bytes=self._small_bytes,
-                chunk_bytes=self._chunk_bytes,
-                write_numpy=jax.process_index() == (self._primary_host or 0),
+                piece_bytes=self._options.piece_bytes,
+                small_bytes=self._options.small_bytes,
+                chunk_bytes=self._options.encoding.chunk_bytes,
+                write_numpy=jax.process_index() == (self._options.primary_host or 0),
                 pool=self._pool,
                 start_raw=self._start_raw,
                 buffers=self._buffers,
@@ -272,8 +262,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
     ) -> list[concurrent.futures.Future] | None:
         """Starts the direct writes of ``piece``'s chunk files; ``None`` if it needs TensorStore."""
         if not (
-            self._direct_writes
-            and self._compression is None
+            self._options.direct_writes
+            and self._options.encoding.compression is None
             and isinstance(stripe_dir, pathlib.Path)
             and _direct.can_write_raw(data)
         ):
@@ -281,7 +271,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         if piece.root not in self._direct_ok:  # probed once per root
             self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
         array_dir = stripe_dir / piece.name
-        rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, self._chunk_bytes)[0]
+        chunk_bytes = self._options.encoding.chunk_bytes
+        rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, chunk_bytes)[0]
         # Not fsynced one by one: the commit fsyncs every file at once once all are written,
         # which the file system commits together (each file's own fsync, while others were
         # still being written, cost a journal commit of its own).
@@ -294,14 +285,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return [self._io_pool.submit(job) for job in jobs]
 
     def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
-        return _write.write_spec(
-            array_dir,
-            piece.dtype,
-            piece.shape,
-            chunk_bytes=self._chunk_bytes,
-            compression=self._compression,
-            compression_level=self._compression_level,
-        )
+        return _write.write_spec(array_dir, piece.dtype, piece.shape, self._options.encoding)
 
     async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
         loop = asyncio.get_running_loop()
@@ -324,14 +308,14 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             else:
                 write = _io.gather_all(asyncio.wrap_future(f) for f in started)
             writes.append(write)
-            if self._checksums:
+            if self._options.checksums:
                 # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
                 members = snapshot.member_views(piece)
                 sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
         # Per piece, the files still to fsync (TensorStore fsynced those it wrote itself).
         written = await _io.gather_all(writes)
         checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
-        if self._reuse_host_buffers:
+        if self._options.reuse_host_buffers:
             self._buffers.give_back(snapshot.owned)  # every write and checksum is done
         # Local stripes are made durable with fsync: every file at once, then every directory
         # that gained entries (piece directories, stripe directories and the roots holding
@@ -362,13 +346,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                         start=start,
                         stop=stop,
                         offset=offset,
-                        checksum=next(checks) if self._checksums else None,
+                        checksum=next(checks) if self._options.checksums else None,
                         process=jax.process_index(),
                     )
                 )
         part = Manifest(
             version=_manifest.VERSION,
-            checksum=_io.CHECKSUM if self._checksums else None,
+            checksum=_io.CHECKSUM if self._options.checksums else None,
             roots=tuple(None if r is None else str(r) for r in self._roots),
             leaves=tuple(snapshot.leaves),
             pieces=tuple(records),
@@ -388,8 +372,9 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
 
     def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
+        chunk_bytes = self._options.encoding.chunk_bytes
         return {
-            p.name: _write.chunk_count(p.shape, p.dtype.itemsize, self._chunk_bytes)
+            p.name: _write.chunk_count(p.shape, p.dtype.itemsize, chunk_bytes)
             for p in pieces
             if p.root == root
         }
@@ -440,11 +425,11 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 args.item,
                 self._context,
                 self._pool,
-                verify=self._checksums,
+                verify=self._options.checksums,
                 io_pool=self._io_pool,
                 roots=args.roots,
                 partial=args.partial,
-                root_options=self._root_options,
+                root_options=self._options.root_options,
             )
 
     def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
@@ -471,6 +456,34 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 pool.shutdown(wait=True)
         self._executor = self._io_executor = None
         self._buffers.clear()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Options:
+    """A handler's options: its constructor's arguments of the same names, checked.
+
+    One frozen object, as Orbax keeps its options (``MultiprocessingOptions``): a save or
+    restore in flight reads the options the handler was built with, and each check lives beside
+    the value it checks. ``encoding`` holds ``chunk_bytes``, ``compression`` and
+    ``compression_level`` (what a piece's zarr spec follows from); ``primary_host`` is
+    ``multiprocessing_options.primary_host``.
+    """
+
+    root_options: Mapping[str, Any] | None
+    concurrency: int
+    encoding: _write.Encoding
+    piece_bytes: int
+    small_bytes: int
+    checksums: bool
+    direct_writes: bool
+    reuse_host_buffers: bool
+    primary_host: int | None
+
+    def __post_init__(self) -> None:
+        for name, low in (("concurrency", 1), ("piece_bytes", 1), ("small_bytes", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
 
 
 def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:

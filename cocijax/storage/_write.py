@@ -9,6 +9,7 @@ memory (:func:`metadata_file`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -39,21 +40,46 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list
     return [rows, *shape[1:]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a piece is stored as a zarr v3 array: the size of its chunks and their codec.
+
+    Everything :func:`write_spec` needs beyond the piece itself: two pieces of the same shape
+    and dtype written with the same encoding are the same files.
+
+    Attributes:
+      chunk_bytes: approximate size of one chunk (one file or object), see :func:`chunk_shape`.
+      compression: ``None`` or ``"zstd"``.
+      compression_level: the zstd level.
+
+    Raises:
+      ValueError: an attribute is out of range (named as the handler's argument of that name).
+    """
+
+    chunk_bytes: int
+    compression: str | None
+    compression_level: int
+
+    def __post_init__(self) -> None:
+        for name, low in (("chunk_bytes", 1), ("compression_level", -131072)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}.")
+
+
 def write_spec(
-    path: pathlib.Path | KvPath,
-    dtype: np.dtype,
-    shape: tuple[int, ...],
-    *,
-    chunk_bytes: int,
-    compression: str | None,
-    compression_level: int,
+    path: pathlib.Path | KvPath, dtype: np.dtype, shape: tuple[int, ...], encoding: Encoding
 ) -> dict[str, Any]:
+    """The TensorStore spec that creates the zarr v3 array of a piece at ``path``."""
+    chunks = chunk_shape(shape, dtype.itemsize, encoding.chunk_bytes)
     metadata: dict[str, Any] = {
         "shape": list(shape),
         "data_type": dtype.name,
         "chunk_grid": {
             "name": "regular",
-            "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize, chunk_bytes)},
+            "configuration": {"chunk_shape": chunks},
         },
     }
     # Pinned rather than left to defaults: _direct writes uncompressed chunk files itself. The
@@ -64,8 +90,9 @@ def write_spec(
         "configuration": {"separator": _direct.SEPARATOR},
     }
     metadata["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if compression == "zstd":
-        metadata["codecs"].append({"name": "zstd", "configuration": {"level": compression_level}})
+    if encoding.compression == "zstd":
+        zstd = {"name": "zstd", "configuration": {"level": encoding.compression_level}}
+        metadata["codecs"].append(zstd)
     return {
         "driver": "zarr3",
         "kvstore": _kvpath.kvstore_spec(path),

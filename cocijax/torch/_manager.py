@@ -37,14 +37,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cocijax import policies as _policies
-from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import (
+    MEASUREMENTS,
+    POLICY_STATE,
+    FromDriver,
     ManagerClosedError,
-    Measurements,
     check_step,
     check_step_order,
 )
-from cocijax.manager._driver import PolicyDriver, check_policy
+from cocijax.manager._driver import manager_driver
 from cocijax.manager._faults import run_all
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._lock import DirectoryLock
@@ -203,10 +204,7 @@ class CheckpointManager:
                 best_fn, best_mode=best_mode, max_to_keep=max_to_keep, keep_latest=keep_latest
             )
         signals = check_signals(preemption_signals)
-        policy = _policies.coci() if policy is None else policy
-        check_policy(policy)
-        prior = _policies.default_prior_mtbf_s() if prior_mtbf_s is None else prior_mtbf_s
-        prior = check("prior_mtbf_s", prior, POSITIVE)
+        make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
         self._dir = Path(directory)
         self._ranks = Ranks()
         self._dir_lock = DirectoryLock(self._dir)
@@ -220,15 +218,7 @@ class CheckpointManager:
         self._history = RunHistory(
             self._dir, clock=clock, writer=self._ranks.leader, opened_at_age_s=age
         )
-        self._driver = PolicyDriver(
-            policy,
-            clock=clock,
-            history=self._history,
-            prior_mtbf_s=prior,
-            save_final_step=True,
-            broadcast=self._ranks.broadcast,
-        )
-        self._policy_warned = False
+        self._driver = make_driver(history=self._history, broadcast=self._ranks.broadcast)
         self._max_to_keep = max_to_keep
         self._best = best
         self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
@@ -279,29 +269,17 @@ class CheckpointManager:
         """The number of ranks saving together (1 without a process group)."""
         return self._ranks.world
 
-    @property
-    def policy_state(self) -> Any:
-        """The policy state after the latest ``save`` call (a pytree); collective with ranks."""
-        return self._driver.state
-
-    @property
-    def measurements(self) -> Measurements:
-        """The inputs of the policy's last decision, as for ``cocijax.CheckpointManager``.
-
-        Unlike the JAX manager, the loss is this step's own (read at once, not one step late).
-        With several ranks these are this rank's measurements; the policy was given rank 0's.
-        """
-        return self._driver.measurements()
+    policy_state = POLICY_STATE
+    measurements = MEASUREMENTS
+    checkpoint_cost_s = FromDriver(
+        lambda driver: driver.cost_s,
+        "The latest measured stall of a save in seconds (NaN before the first save).",
+    )
 
     @property
     def reached_preemption(self) -> bool:
         """A preemption signal arrived and its step has been saved and committed: stop now."""
         return self._reached_preemption
-
-    @property
-    def checkpoint_cost_s(self) -> float:
-        """The latest measured stall of a save in seconds (NaN before the first save)."""
-        return self._driver.cost_s
 
     def all_steps(self) -> list[int]:
         """Saved steps, oldest first, including one still being written."""
@@ -591,19 +569,9 @@ class CheckpointManager:
     def _load_policy_state(self, meta: dict, step: int, *, history: bool = False) -> None:
         if history:
             self._driver.load_history(meta.get("policy"))
-        try:
-            self._driver.load_json(
-                meta.get("policy"), where=str(self._dir / str(step) / METADATA_NAME)
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            # A different policy than at save time: its schedule cannot continue. Said once.
-            if not self._policy_warned:
-                self._policy_warned = True
-                warnings.warn(
-                    f"{e}; this manager's policy starts its schedule fresh.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+        # A different policy than at save time cannot continue its schedule: said once.
+        where = str(self._dir / str(step) / METADATA_NAME)
+        self._driver.adopt(meta.get("policy"), where=where, stacklevel=3)  # the user's call
 
     def _check_open(self) -> None:
         if self._closed:

@@ -126,10 +126,8 @@ def test_file_system_without_o_direct_falls_back_to_buffered_writes(tmp_path, ro
 
 
 def test_raw_chunk_layout_accepts_only_plain_bytes_with_default_keys(tmp_path):
-    plain = _write.write_spec(
-        tmp_path / "a", np.dtype("float32"), (100, 7), chunk_bytes=1000, compression=None,
-        compression_level=3,
-    )["metadata"]  # fmt: skip
+    encoding = _write.Encoding(chunk_bytes=1000, compression=None, compression_level=3)
+    plain = _write.write_spec(tmp_path / "a", np.dtype("float32"), (100, 7), encoding)["metadata"]
     assert _direct.raw_chunk_layout(plain) == (35, ".")
     slash = {"name": "default", "configuration": {"separator": "/"}}
     slashes = dict(plain, chunk_key_encoding=slash)
