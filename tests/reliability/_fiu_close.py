@@ -13,6 +13,7 @@ errors raised (type, message with notes) and what a new manager opened afterward
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import traceback
@@ -36,9 +37,14 @@ def text(e: BaseException) -> str:
 
 
 def faulted(fiu: Fiu, points: tuple[str, ...], *calls: Any) -> list[str]:
-    """Runs ``calls`` with ``points`` failing every time; returns the errors they raised."""
+    """Runs ``calls`` with ``points`` failing every time with EIO; returns the errors raised.
+
+    The errno is fixed: left to libfiu, it is drawn from each call's possible errors, and an
+    ``unlink`` failing with ENOENT says the marker is already gone, which is no failure.
+    """
     errors = []
-    fiu.enable(1.0, 1, points)
+    for point in points:
+        fiu.fail(point, errno.EIO)
     try:
         for call in calls:
             try:
