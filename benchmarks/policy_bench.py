@@ -175,6 +175,8 @@ def run_case(y: np.ndarray, sc: dict, trials: int, seed: int) -> dict:
         capture=capture("coci"),
         capture_nt=capture("coci no total"),
         capture_trend=capture("trend oracle") if "trend oracle" in res else math.nan,
+        vs_bound=res["coci"][0] / bound[0] - 1.0,
+        trend_vs_bound=res.get("trend oracle", (math.nan,))[0] / bound[0] - 1.0,
         vs_classic=res["coci"][0] / classic - 1.0,
         vs_classic_nt=res["coci no total"][0] / classic - 1.0,
         wall_vs_young=res["coci"][1] / res["young"][1],
@@ -246,6 +248,10 @@ def summarise(rows: list[dict], sets: tuple[str, ...], scens: tuple[str, ...]) -
         capture_nt_min=min(fin("capture_nt")),
         capture_trend_median=statistics.median(fin("capture_trend") or [math.nan]),
         capture_trend_min=min(fin("capture_trend") or [math.nan]),
+        vs_bound_median=statistics.median(fin("vs_bound")),
+        vs_bound_max=max(fin("vs_bound")),
+        trend_vs_bound_median=statistics.median(fin("trend_vs_bound") or [math.nan]),
+        trend_vs_bound_max=max(fin("trend_vs_bound") or [math.nan]),
         worst=max(r["vs_classic"] for r in sel),
         worst_nt=max(r["vs_classic_nt"] for r in sel),
         wall=max(max(r["wall_vs_young"], r["wall_vs_young_nt"]) for r in sel),
@@ -255,7 +261,7 @@ def summarise(rows: list[dict], sets: tuple[str, ...], scens: tuple[str, ...]) -
 
 def targets(s: dict) -> list[tuple[str, str, str]]:
     ok = lambda b: "met" if b else "NOT met"
-    return [
+    rows = [
         ("median capture >= 90% (coci)", f"{s['capture_median']:.0%}",
          ok(s["capture_median"] >= 0.9)),
         ("no case below 70% (coci)", f"min {s['capture_min']:.0%}", ok(s["capture_min"] >= 0.7)),
@@ -271,9 +277,18 @@ def targets(s: dict) -> list[tuple[str, str, str]]:
             ok(s["worst_nt"] <= 0.01),
         ),
         ("wall overhead <= 1.4x Young's (both)", f"max {s['wall']:.2f}x", ok(s["wall"] <= 1.4)),
-        ("reference: the trend oracle's capture (median, min)",
-         f"{s['capture_trend_median']:.0%}, min {s['capture_trend_min']:.0%}", "reference"),
+        ("coci's weighted overhead above the bound (median, max)",
+         f"{s['vs_bound_median']:+.1%}, max {s['vs_bound_max']:+.1%}", "measure"),
     ]  # fmt: skip
+    if math.isfinite(s["capture_trend_median"]):
+        rows += [
+            ("reference: the trend oracle's capture (median, min)",
+             f"{s['capture_trend_median']:.0%}, min {s['capture_trend_min']:.0%}", "reference"),
+            ("reference: the trend oracle above the bound (median, max)",
+             f"{s['trend_vs_bound_median']:+.1%}, max {s['trend_vs_bound_max']:+.1%}",
+             "reference"),
+        ]  # fmt: skip
+    return rows
 
 
 def plot(rows: list[dict]) -> None:
