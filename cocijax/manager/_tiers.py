@@ -80,7 +80,8 @@ class DurableOptions:
       store_options: TensorStore kvstore options for an object store (``endpoint``, ...).
       source_options: kvstore options of the local tier's roots when they are on an object
         store themselves (the handler's ``root_options``).
-      memory_bytes: piece data held in memory by a drain at once.
+      memory_bytes: piece data held in memory by a drain at once; between drains the tier
+        keeps up to this much of host buffers faulted in for the next drain.
       clock: seconds, for the measured drain time.
     """
 
@@ -117,6 +118,8 @@ class DurableTier:
         self.drain_s = math.nan
         self._closed = False
         self._thread: threading.Thread | None = None
+        # The drains' host buffers, kept from one drain to the next (see storage.BufferPool).
+        self._buffers = storage.BufferPool(options.memory_bytes)
 
     @property
     def url(self) -> str:
@@ -273,6 +276,7 @@ class DurableTier:
             dest_options=self.options.store_options,
             memory_bytes=self.options.memory_bytes,
             commit=False,
+            buffers=self._buffers,
         )
         record = {"format": _STEP_FORMAT, "version": 1, "step": step, "files": files}
         (dest / STEP_FILES).write_bytes(json.dumps(record).encode())
@@ -324,6 +328,7 @@ class DurableTier:
             self._cond.notify_all()
         self._thread.join()
         self._thread = None
+        self._buffers.clear()
 
     # -- garbage collection and deletion ------------------------------------------------------
 

@@ -11,10 +11,11 @@ to make a rename or a new directory durable (:func:`fsync_dir`, :func:`make_dirs
 digest a JSON document carries of itself (:func:`with_digest`, :func:`check_digest`), which the
 manifest and the manager's policy item share. Roots and items may be on object stores
 (:class:`KvPath`: ``s3://``, ``gs://`` through TensorStore's kvstores); :func:`copy_item`
-copies a committed item there, every checksum checked, its manifest last.
+copies a committed item there, every checksum checked, its manifest last, reading pieces into
+host buffers a :class:`BufferPool` keeps faulted in from one copy to the next.
 """
 
-from cocijax.storage._copy import CopyStats, copy_item
+from cocijax.storage._copy import BufferPool, CopyStats, copy_item
 from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
 from cocijax.storage._kvpath import KvPath, is_url
@@ -44,6 +45,7 @@ __all__ = [
     "DIGEST_KEY",
     "MANIFEST_NAME",
     "STRIPE_PREFIX",
+    "BufferPool",
     "CheckpointFormatError",
     "CopyStats",
     "CorruptCheckpointError",

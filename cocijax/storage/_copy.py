@@ -4,7 +4,8 @@ The copy keeps every piece a zarr v3 array with the same metadata (chunk grid, c
 all of them under the destination item itself, so the copy is self-contained: its manifest
 records one root, ``None``, the item directory, wherever it is later found or moved. Each piece
 file is read once, its members' checksums are verified (a damaged source is never copied), and
-it is written through TensorStore; at most ``memory_bytes`` of pieces are held at a time. The
+its data is written through TensorStore, its ``zarr.json`` copied byte for byte before any data;
+at most ``memory_bytes`` of pieces are held at a time. The
 destination's manifest is written last, after one listing shows every object there: on an
 object store, the item is committed when that object exists.
 """
@@ -15,16 +16,76 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
+import mmap
 import os
+import threading
 import time
+import typing
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
 
 from cocijax.storage import _io, _kvpath, _manifest, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._manifest import Location, Manifest, PieceRecord
+
+
+@typing.final
+class BufferPool:
+    """Host buffers that copies read pieces into and give back, at most ``limit_bytes`` kept.
+
+    A copy reads each piece into host memory before it writes it out, and faulting fresh
+    memory in costs more than reading into memory faulted in before: measured on the
+    development VM, a copy of the 1 GiB tree to S3 (moto on 127.0.0.1) took 3.9 s (median of
+    6) into fresh buffers and 3.1 s into buffers faulted in before, the upload of the same
+    bytes by TensorStore alone about 3.0-3.4 s. :func:`copy_item` reuses buffers between the
+    pieces of one copy; a caller that copies often (the durable tier drains every save) keeps
+    one pool, so that from its second copy of the same shapes on nothing is faulted in.
+
+    Between copies the pool holds at most ``limit_bytes`` (buffers of any sizes, the most
+    recently given back first); a buffer that would exceed it is freed.
+
+    Example:
+      >>> pool = BufferPool(1 << 30)
+      >>> first = pool.take(1 << 20)
+      >>> pool.give_back(first)
+      >>> pool.take(1 << 20) is first, pool.nbytes
+      (True, 0)
+    """
+
+    def __init__(self, limit_bytes: int):
+        self._limit = limit_bytes
+        self._free: list[np.ndarray] = []  # newest last
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A flat, page-aligned ``uint8`` buffer of ``nbytes``: a kept one if there is one."""
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i].nbytes == nbytes:
+                    return self._free.pop(i)
+        return _io.aligned_empty((nbytes,), np.uint8, mmap.PAGESIZE)
+
+    def give_back(self, buffer: np.ndarray) -> None:
+        """Keeps ``buffer`` (from :meth:`take`, no longer used), freeing the oldest kept ones
+        that no longer fit under the limit."""
+        with self._lock:
+            self._free.append(buffer)
+            while self._free and sum(b.nbytes for b in self._free) > self._limit:
+                self._free.pop(0)
+
+    def clear(self) -> None:
+        """Frees every kept buffer."""
+        with self._lock:
+            self._free = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept for the next copy."""
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +112,7 @@ def copy_item(
     memory_bytes: int = 512 << 20,
     concurrency: int = 32,
     commit: bool = True,
+    buffers: BufferPool | None = None,
 ) -> CopyStats:
     """Copies the committed item ``source`` to ``dest``, checking every checksum.
 
@@ -66,6 +128,8 @@ def copy_item(
       commit: write the destination's manifest at the end. ``False`` leaves the copy
         uncommitted, for a caller that copies more files first and then calls
         :func:`write_manifest` with the returned manifest's :meth:`Manifest.in_item_dir`.
+      buffers: where to take the host buffers pieces are read into, and give them back to;
+        default: a pool of this copy's own (see :class:`BufferPool`).
 
     Returns:
       What was copied.
@@ -91,6 +155,7 @@ def copy_item(
     target = KvPath.parse(dest, dest_options)
     manifest = _manifest.read_manifest(source)
     context = _io.make_context(concurrency)
+    host_buffers = BufferPool(memory_bytes) if buffers is None else buffers
     with (
         concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool,
         concurrent.futures.ThreadPoolExecutor(concurrency) as io_pool,
@@ -112,32 +177,58 @@ def copy_item(
             async with limit:
                 first = pieces[0]
                 array = await reader.array(first)
+                buffer = None
                 if len(pieces) == 1 and first.offset is None:
                     # One whole region: read in place (raw chunk files straight into an aligned
                     # buffer where local), its checksum verified there.
                     dtype = _tree.to_dtype(manifest.leaves[first.leaf].dtype)
-                    data = _io.aligned_empty(first.shape, dtype)
-                    await reader.read_into(first, first.start, first.stop, data)
+                    buffer = host_buffers.take(math.prod(first.shape) * dtype.itemsize)
+                    data = buffer.view(dtype).reshape(first.shape)
+                    try:
+                        await reader.read_into(first, first.start, first.stop, data)
+                    except BaseException:
+                        host_buffers.give_back(buffer)
+                        raise
                 else:
                     data = await reader.whole_file(first)
                 metadata = array.spec().to_json()["metadata"]
+                # Its zarr.json is already there (copy_metadata): no metadata I/O here.
                 out = await ts.open(
                     {
                         "driver": "zarr3",
                         "kvstore": (target / first.file).spec(),
                         "metadata": metadata,
-                        "create": True,
+                        "assume_metadata": True,
                         "store_data_equal_to_fill_value": True,
                     },
                     context=context,
                 )
-                await out.write(data, can_reference_source_data_indefinitely=True)
+                try:
+                    await out.write(data, can_reference_source_data_indefinitely=True)
+                finally:
+                    if buffer is not None:  # written (or failed): TensorStore is done with it
+                        host_buffers.give_back(buffer)
                 reader.forget((first.root, first.file))
                 grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
                 chunks = _write.grid_size(metadata["shape"], grid)
                 return first.file, data.nbytes, chunks
 
+        async def copy_metadata() -> None:
+            # Every piece file's zarr.json first, byte for byte, all in flight at once: small
+            # objects, before the large writes queue up. (Measured: creating each array with
+            # TensorStore as its data came took 0.2-1.3 s per piece on a busy S3 server, its
+            # metadata requests waiting behind other pieces' uploads; the copy of a 1 GiB tree
+            # took 3.6-4.2 s against 3.1-3.3 s this way and 2.9-3.0 s for a plain upload.)
+            firsts = [pieces[0] for pieces in files.values()]
+            sources = await _io.gather_all(reader.metadata_bytes(p) for p in firsts)
+            store = await ts.KvStore.open(target.spec(), context=context)
+            await _io.gather_all(
+                store.write(f"{p.file}/{_write.ZARR_JSON}", data)
+                for p, data in zip(firsts, sources, strict=True)
+            )
+
         async def run() -> list[tuple[str, int, int]]:
+            await copy_metadata()
             copied = await _io.gather_all(copy(ps) for ps in files.values())
             by_stripe: dict[str, dict[str, int]] = {}
             for file, _, chunks in copied:

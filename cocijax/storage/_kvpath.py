@@ -266,7 +266,7 @@ def location(value: Any, options: Mapping[str, Any] | None = None) -> pathlib.Pa
 
 
 def kvstore_spec(where: pathlib.Path | KvPath) -> dict[str, Any]:
-    """The kvstore spec of a directory, local or not."""
+    """The kvstore spec of a directory, local or not (its path ends in /, as a prefix)."""
     if isinstance(where, KvPath):
         return where.spec()
-    return {"driver": "file", "path": str(where)}
+    return {"driver": "file", "path": f"{str(where).rstrip('/')}/"}

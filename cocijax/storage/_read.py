@@ -103,6 +103,21 @@ class PieceReader:
         """The open zarr array of ``piece``'s file (opened once)."""
         return await self._array(piece)
 
+    async def metadata_bytes(self, piece: PieceRecord) -> bytes:
+        """The ``zarr.json`` of ``piece``'s file, byte for byte.
+
+        Raises:
+          CorruptCheckpointError: it is missing or cannot be read.
+        """
+        try:
+            store = await ts.KvStore.open(_kvpath.kvstore_spec(self.path(piece)), context=self._ctx)
+            result = await store.read(_write.ZARR_JSON)
+        except Exception as e:
+            raise self._error(piece, f"cannot read {_write.ZARR_JSON} ({e})") from e
+        if result.state == "missing":
+            raise self._error(piece, f"no {_write.ZARR_JSON}")
+        return bytes(result.value)
+
     async def whole_file(self, piece: PieceRecord) -> np.ndarray:
         """Every element of ``piece``'s file, every member's checksum verified (once per file).
 

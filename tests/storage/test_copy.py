@@ -91,3 +91,48 @@ def test_a_missing_object_fails_the_check_before_any_manifest(item, s3):
     s3.client.delete_object(Bucket=s3.name, Key=s3.keys(f"copy/{stripe}/{victim}/c.")[0])
     with pytest.raises(OSError, match=rf"{s3.url(f'copy/{stripe}/{victim}')}: .* lists 0 of 1"):
         asyncio.run(_write.check_written(where, counts))
+
+
+def test_a_copy_keeps_every_metadata_file_byte_for_byte(item, tmp_path):
+    storage.copy_item(item, tmp_path / "copy")
+    manifest = storage.read_manifest(item)
+    for piece in manifest.pieces:
+        source = manifest.piece_path(piece, item) / _write.ZARR_JSON
+        assert (tmp_path / "copy" / piece.file / _write.ZARR_JSON).read_bytes() == (
+            source.read_bytes()
+        )
+
+
+def test_a_source_without_its_metadata_is_named_and_never_committed(item, s3):
+    manifest = storage.read_manifest(item)
+    piece = next(p for p in manifest.pieces if manifest.leaves[p.leaf].path == "['a03']")
+    (manifest.piece_path(piece, item) / _write.ZARR_JSON).unlink()
+    with pytest.raises(storage.CorruptCheckpointError, match=r"Leaf \['a03'\]: no zarr.json"):
+        storage.copy_item(item, s3.url("copy"), dest_options=s3.options)
+    assert f"copy/{storage.MANIFEST_NAME}" not in s3.keys("copy/")
+
+
+def test_a_pool_keeps_at_most_its_limit_newest_first():
+    pool = storage.BufferPool(3 << 20)
+    buffers = [pool.take(1 << 20) for _ in range(4)]
+    for b in buffers:
+        pool.give_back(b)
+    assert pool.nbytes == 3 << 20  # the oldest one was freed
+    kept = [pool.take(1 << 20) for _ in range(3)]
+    assert [id(b) for b in kept] == [id(b) for b in buffers[:0:-1]]
+    assert pool.take(2 << 20).nbytes == 2 << 20 and pool.nbytes == 0
+
+
+def test_a_second_copy_with_the_same_pool_reads_into_the_kept_buffers(item, tmp_path, monkeypatch):
+    pool = storage.BufferPool(1 << 30)
+    storage.copy_item(item, tmp_path / "a", buffers=pool)
+    assert pool.nbytes == 32 * (512 << 10)  # every piece's buffer came back
+    allocated = []
+    aligned_empty = storage._io.aligned_empty
+    monkeypatch.setattr(
+        storage._io, "aligned_empty", lambda *a, **k: allocated.append(a) or aligned_empty(*a, **k)
+    )
+    storage.copy_item(item, tmp_path / "b", buffers=pool)
+    assert allocated == []
+    assert storage.verify(tmp_path / "b") == []
+    assert all(np.array_equal(_restore(tmp_path / "b")[k], v) for k, v in TREE.items())
