@@ -13,7 +13,7 @@ def assert_tree_equal(expected, got):
         where = jax.tree_util.keystr(path)
         same_type = type(a) is type(b) or (isinstance(a, jax.Array) and isinstance(b, jax.Array))
         assert same_type, (where, type(a), type(b))
-        if isinstance(a, bool | int | float):
+        if isinstance(a, bool | int | float | str):
             assert a == b, where
             continue
         assert np.dtype(a.dtype) == np.dtype(b.dtype), where

@@ -1,6 +1,7 @@
 """Only the host snapshot happens in ``async_save``; the rest waits for Orbax. Bad inputs."""
 
 import asyncio
+import concurrent.futures
 import os
 
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
     roots are written (chunk files and their zarr.json; no manifest), and the data the commit
     writes is the snapshot taken inside async_save, not the live arrays."""
     # chunk_bytes below the host leaf's size: its chunk writes may start inside async_save.
-    handler = cj.StripedCheckpointHandler(roots, small_bytes=1024, chunk_bytes=4096)
+    handler = cj.StripedCheckpointHandler(
+        roots, small_bytes=1024, chunk_bytes=4096, write_while_copying=True
+    )
     source = np.arange(4096, dtype=np.float32)
     device = jnp.arange(8, dtype=jnp.int32)
     item = tmp_path / "not_created_yet"
@@ -47,6 +50,20 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
     got = handler.restore(item, cj.StripedRestore())
     np.testing.assert_array_equal(got["host"], np.arange(4096, dtype=np.float32))
     np.testing.assert_array_equal(got["dev"], np.arange(8))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pieces_start_writing_inside_save_only_with_write_while_copying(tmp_path, roots, overlap):
+    handler = cj.StripedCheckpointHandler(
+        roots, small_bytes=1024, chunk_bytes=4096, write_while_copying=overlap
+    )
+    snapshot = handler._snapshot({"host": np.arange(4096, dtype=np.float32)})
+    for started in snapshot.early.values():
+        concurrent.futures.wait(started)
+    written = [f for r in roots for f in r.rglob("*") if f.is_file()]
+    assert bool(snapshot.early) == overlap
+    assert bool(written) == overlap
+    handler.close()
 
 
 @pytest.mark.parametrize("error", [ValueError, TypeError, cj.storage.UnsupportedLeafError])

@@ -310,3 +310,41 @@ def test_saves_of_the_same_shapes_copy_into_the_buffers_of_the_last_one(tmp_path
         ckptr.save(tmp_path / "no-reuse", args=cj.StripedSave(tree(4)))
         ckptr.wait_until_finished()
         assert handler._buffers.nbytes == 0
+
+
+def test_a_save_of_the_same_structure_reuses_its_plan_with_this_saves_values(tmp_path, roots):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rows, cols = P("data", "model"), P("model", "data")
+
+    def tree(step, spec=rows):
+        state = _every_kind()
+        state["sharded"] = jax.device_put(
+            jnp.full((8, 4), step, jnp.float32), NamedSharding(mesh, spec)
+        )
+        state["key"] = jax.random.key(step)
+        state["py"] = [step, step / 2, step % 2 == 0, f"run-{step}"]
+        state["np"] = state["np"] + step
+        return state
+
+    handler = cj.StripedCheckpointHandler(roots)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "1", args=cj.StripedSave(tree(1)))
+        plan = handler._last_plan
+        ckptr.save(tmp_path / "2", args=cj.StripedSave(tree(2)))
+        assert handler._last_plan is plan  # same structure: described and planned once
+        # Same shapes, another sharding: a new plan, and the manifest records the new one.
+        ckptr.save(tmp_path / "3", args=cj.StripedSave(tree(3, cols)))
+        assert handler._last_plan is not plan
+        ckptr.wait_until_finished()
+        for step, spec in ((1, rows), (2, rows), (3, cols)):
+            got = ckptr.restore(tmp_path / str(step), args=cj.StripedRestore())
+            expected = tree(step, spec)
+            assert jax.random.key_data(got.pop("key")).tolist() == (
+                jax.random.key_data(expected.pop("key")).tolist()
+            )
+            assert_tree_equal(expected, got)  # every save's own inline values too
+            assert got["sharded"].sharding.spec == spec
+        bad = tree(4)
+        bad["py"][3] = object()  # an unsupported leaf where the plan had a string
+        with pytest.raises(cj.storage.UnsupportedLeafError, match=r"\['py'\]\[3\]"):
+            ckptr.save(tmp_path / "4", args=cj.StripedSave(bad))
