@@ -183,18 +183,18 @@ def describe(
 
 def make_plan(
     flat: Sequence[tuple[Any, Any]],
-    signature: tuple,
+    key: tuple,
     *,
     num_roots: int,
     write_numpy: bool,
     piece_bytes: int,
     small_bytes: int,
 ) -> Plan:
-    """Describes the leaves ``flat`` and plans their pieces over ``num_roots`` roots."""
+    """Describes the leaves ``flat`` and plans their pieces; ``key`` is their :func:`signature`."""
     leaves, chunks, sources, on_host = describe(flat, write_numpy)
     pieces = _layout.plan(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=small_bytes)
     inline = tuple(i for i, r in enumerate(leaves) if r.kind in _tree.INLINE_KINDS)
-    return Plan(signature, tuple(leaves), inline, tuple(sources), tuple(on_host), tuple(pieces))
+    return Plan(key, tuple(leaves), inline, tuple(sources), tuple(on_host), tuple(pieces))
 
 
 def _inline_value(kind: str, leaf: Any) -> Any:
@@ -254,19 +254,18 @@ def take(
         small_bytes=small_bytes,
     )
     key = signature(treedef, [leaf for _, leaf in flat], **options)
-    if last is None or last.signature != key:
-        last = make_plan(flat, key, **options)
-    leaves = list(last.leaves)
-    for i in last.inline:
+    plan = last if last is not None and last.signature == key else make_plan(flat, key, **options)
+    leaves = list(plan.leaves)
+    for i in plan.inline:
         record = leaves[i]
         leaves[i] = dataclasses.replace(record, value=_inline_value(record.kind, flat[i][1]))
-    pieces = list(last.pieces)
-    sources = _source_data(flat, last)
-    for s, host in zip(sources, last.on_host, strict=True):
+    pieces = list(plan.pieces)
+    sources = _source_data(flat, plan)
+    for s, host in zip(sources, plan.on_host, strict=True):
         if not host:
             s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
     stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
-    snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, plan=last)
+    snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, plan=plan)
     # Stripe directories on external roots can be made now, so a piece's chunk files can be
     # written as soon as its host copy is done (the item directory may not exist yet). Only
     # pieces of at least one full chunk start early: with few cores, the per-file work of small
@@ -287,7 +286,7 @@ def take(
                 if started is not None:
                     snapshot.early[piece.name] = started
 
-    jobs = _copy_jobs(snapshot, sources, last.on_host, buffers)
+    jobs = _copy_jobs(snapshot, sources, plan.on_host, buffers)
     list(pool.map(copy_then_write, jobs))
     return snapshot
 
@@ -302,8 +301,8 @@ def _copy_jobs(
         if not piece.packed:
             by_source.setdefault(piece.members[0][0].source, []).append(piece)
     # Accelerator arrays arrive in fresh memory of their own (the device-to-host transfer).
-    copied = [i for i in by_source if on_host[i]]
-    snapshot.owned = buffers.take([p.nbytes for p in packs] + [sources[i].nbytes for i in copied])
+    to_copy = [i for i in by_source if on_host[i]]
+    snapshot.owned = buffers.take([p.nbytes for p in packs] + [sources[i].nbytes for i in to_copy])
     flat = iter(snapshot.owned)
     jobs: list[tuple[Callable[[], None], list[_layout.Piece]]] = []
     for piece in packs:
@@ -313,7 +312,7 @@ def _copy_jobs(
         snapshot.packs[piece.name] = buf
         members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
         jobs.append((functools.partial(_pack_into, members, buf), [piece]))
-    dests = dict(zip(copied, flat, strict=True))
+    dests = dict(zip(to_copy, flat, strict=True))
     for src, copied in by_source.items():
         copy = functools.partial(_copy_source, snapshot, sources, src, dests.get(src))
         jobs.append((copy, copied))
