@@ -325,9 +325,11 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
                 members = snapshot.member_views(piece)
                 sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
-        # Per piece, the files still to fsync (TensorStore fsynced those it wrote itself).
-        written = await _io.gather_all(writes)
-        checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
+        # The manifest needs only the checksums, which are done long before the writes: it is
+        # built and encoded meanwhile (1024 leaves: ~10 ms that no longer follow the writes).
+        written, encoded = await _io.gather_all(
+            [_io.gather_all(writes), self._encoded_manifest(directory, snapshot, sums)]
+        )
         if self._options.reuse_host_buffers:
             self._buffers.give_back(snapshot.owned)  # every write and checksum is done
         # Local stripes are made durable with fsync: every file at once, then every directory
@@ -348,6 +350,26 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 if r not in local
             ]
         )
+        # The manifest (or part) is the last thing written: it only names durable pieces.
+        if jax.process_count() == 1:
+            # This process's part is the whole manifest: written as such, durably, it leaves
+            # ``finalize`` nothing to merge (no part written, read back and parsed again).
+            await loop.run_in_executor(
+                self._pool, _manifest.write_manifest_bytes, directory, encoded
+            )
+            return
+        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
+        # durably before Orbax commits the item, and an item a crash cut before that is not
+        # committed.
+        _manifest.replace_bytes(
+            _manifest.part_path(directory, jax.process_index()), encoded, fsync=False
+        )
+
+    async def _encoded_manifest(
+        self, directory: pathlib.Path, snapshot: _snapshot.Snapshot, sums: list[asyncio.Future]
+    ) -> bytes:
+        """The bytes of this save's manifest (of this process's part, with several)."""
+        checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
         records = []
         for piece in snapshot.pieces:
             for chunk, start, stop, offset in piece.members:
@@ -355,7 +377,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                     PieceRecord(
                         leaf=chunk.leaf,
                         root=piece.root,
-                        file=f"{stripe}/{piece.name}",
+                        file=f"{snapshot.stripe}/{piece.name}",
                         start=start,
                         stop=stop,
                         offset=offset,
@@ -371,18 +393,11 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             pieces=tuple(records),
             custom_metadata=snapshot.custom_metadata,
         )
-        # The manifest (or part) is the last thing written: it only names durable pieces.
         if jax.process_count() == 1:
-            # This process's part is the whole manifest: written as such, durably, it leaves
-            # ``finalize`` nothing to merge (no part written, read back and parsed again).
-            await loop.run_in_executor(self._pool, _manifest.write_manifest, directory, part)
-            return
-        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
-        # durably before Orbax commits the item, and an item a crash cut before that is not
-        # committed.
-        _manifest.replace_json(
-            _manifest.part_path(directory, jax.process_index()), part.to_json(), fsync=False
-        )
+            encode = functools.partial(_manifest.encode_manifest, directory, part)
+        else:  # a part: finalize checks that the parts cover every leaf when it merges them
+            encode = functools.partial(_manifest.encode_part, part)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
         chunk_bytes = self._options.encoding.chunk_bytes

@@ -356,17 +356,16 @@ def make_dirs(path: os.PathLike | str) -> pathlib.Path:
     return path
 
 
-def replace_json(path: pathlib.Path, data: Any, *, fsync: bool) -> None:
-    """Replaces ``path`` by ``data`` atomically (tmp file, rename): readers see all or nothing.
+def replace_bytes(path: pathlib.Path, text: bytes, *, fsync: bool) -> None:
+    """Replaces ``path`` by ``text`` atomically (tmp file, rename): readers see all or nothing.
 
     ``fsync`` makes the data durable before the rename; the rename itself is durable once the
     directory is fsynced. A file that a later durable write supersedes needs neither.
     """
     tmp = path.with_name(path.name + ".tmp")
-    text = _json_bytes(data)  # one write: json.dump writes piecemeal
     try:
         with open(tmp, "wb") as f:
-            f.write(text)
+            f.write(text)  # one write: json.dump writes piecemeal
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -494,11 +493,32 @@ def write_manifest(
     Raises:
       CheckpointFormatError: some leaf is not fully covered by the pieces.
     """
+    write_manifest_bytes(item_dir, encode_manifest(item_dir, manifest), remove=remove)
+
+
+def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> bytes:
+    """The file of ``manifest`` (for :func:`write_manifest_bytes`), checked to cover every leaf.
+
+    Raises:
+      CheckpointFormatError: some leaf is not fully covered by the pieces.
+    """
     _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    return _json_bytes(manifest.to_json())
+
+
+def encode_part(part: Manifest) -> bytes:
+    """The file of one process's ``part``; :func:`merge_parts` checks the coverage of all."""
+    return _json_bytes(part.to_json())
+
+
+def write_manifest_bytes(
+    item_dir: pathlib.Path | KvPath, text: bytes, *, remove: Sequence[pathlib.Path] = ()
+) -> None:
+    """Writes the manifest file ``text`` (:func:`encode_manifest`), as :func:`write_manifest`."""
     if isinstance(item_dir, KvPath):
-        (item_dir / MANIFEST_NAME).write_bytes(_json_bytes(manifest.to_json()))
+        (item_dir / MANIFEST_NAME).write_bytes(text)
         return
-    replace_json(item_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
+    replace_bytes(item_dir / MANIFEST_NAME, text, fsync=True)
     for p in remove:
         p.unlink()
     fsync_dir(item_dir)  # once, for the manifest's rename and the parts' removal

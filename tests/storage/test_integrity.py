@@ -122,7 +122,9 @@ def test_merge_parts_of_two_processes(saved):
             for p in pieces
         )
         part = _manifest.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
-        _manifest.replace_json(_manifest.part_path(item, process), part.to_json(), fsync=True)
+        _manifest.replace_bytes(
+            _manifest.part_path(item, process), _manifest.encode_part(part), fsync=True
+        )
     handler.finalize(item)
     assert not list(item.glob(f"{_manifest.PART_PREFIX}*"))
     merged = cj.storage.read_manifest(item)
@@ -141,7 +143,7 @@ def test_merge_refuses_incomplete_coverage(saved):
     part = _manifest.Manifest(
         whole.version, whole.checksum, whole.roots, whole.leaves, whole.pieces[1:]
     )
-    _manifest.replace_json(_manifest.part_path(item, 0), part.to_json(), fsync=True)
+    _manifest.replace_bytes(_manifest.part_path(item, 0), _manifest.encode_part(part), fsync=True)
     with pytest.raises(cj.storage.CheckpointFormatError, match="cover"):
         handler.finalize(item)
 
