@@ -365,7 +365,7 @@ def replace_bytes(path: pathlib.Path, text: bytes, *, fsync: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(text)  # one write: json.dump writes piecemeal
+            f.write(text)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
