@@ -504,6 +504,8 @@ def _plan_device(
     requests = [_request(reader, pieces, *box) for box in boxes]
 
     def finish(arrays: list[jax.Array]) -> jax.Array:
+        if len(arrays) == 1 and arrays[0].sharding == sharding:
+            return arrays[0]  # one device: what device_put made is the array (~10 µs a leaf)
         return jax.make_array_from_single_device_arrays(record.shape, sharding, arrays)
 
     return _LeafPlan(requests, finish, devices=list(boxes.values()))
