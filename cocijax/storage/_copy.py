@@ -178,35 +178,31 @@ def copy_item(
                 first = pieces[0]
                 array = await reader.array(first)
                 buffer = None
-                if len(pieces) == 1 and first.offset is None:
-                    # One whole region: read in place (raw chunk files straight into an aligned
-                    # buffer where local), its checksum verified there.
-                    dtype = _tree.to_dtype(manifest.leaves[first.leaf].dtype)
-                    buffer = host_buffers.take(math.prod(first.shape) * dtype.itemsize)
-                    data = buffer.view(dtype).reshape(first.shape)
-                    try:
-                        await reader.read_into(first, first.start, first.stop, data)
-                    except BaseException:
-                        host_buffers.give_back(buffer)
-                        raise
-                else:
-                    data = await reader.whole_file(first)
-                metadata = array.spec().to_json()["metadata"]
-                # Its zarr.json is already there (copy_metadata): no metadata I/O here.
-                out = await ts.open(
-                    {
-                        "driver": "zarr3",
-                        "kvstore": (target / first.file).spec(),
-                        "metadata": metadata,
-                        "assume_metadata": True,
-                        "store_data_equal_to_fill_value": True,
-                    },
-                    context=context,
-                )
                 try:
+                    if len(pieces) == 1 and first.offset is None:
+                        # One whole region: read in place (raw chunk files straight into an
+                        # aligned buffer where local), its checksum verified there.
+                        dtype = _tree.to_dtype(manifest.leaves[first.leaf].dtype)
+                        buffer = host_buffers.take(math.prod(first.shape) * dtype.itemsize)
+                        data = buffer.view(dtype).reshape(first.shape)
+                        await reader.read_into(first, first.start, first.stop, data)
+                    else:
+                        data = await reader.whole_file(first)
+                    metadata = array.spec().to_json()["metadata"]
+                    # Its zarr.json is already there (copy_metadata): no metadata I/O here.
+                    out = await ts.open(
+                        {
+                            "driver": "zarr3",
+                            "kvstore": (target / first.file).spec(),
+                            "metadata": metadata,
+                            "assume_metadata": True,
+                            "store_data_equal_to_fill_value": True,
+                        },
+                        context=context,
+                    )
                     await out.write(data, can_reference_source_data_indefinitely=True)
                 finally:
-                    if buffer is not None:  # written (or failed): TensorStore is done with it
+                    if buffer is not None:  # written or failed: nothing uses it any more
                         host_buffers.give_back(buffer)
                 reader.forget((first.root, first.file))
                 grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
