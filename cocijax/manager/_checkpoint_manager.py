@@ -587,7 +587,18 @@ class CheckpointManager:
     def _wait(self) -> None:
         """Waits for the running save; its errors (every one, once) name a path."""
         started, self._save_started = self._save_started, False
-        wait(self.orbax, self._step_dir(self._latest_saved), self._paths)
+        try:
+            wait(self.orbax, self._step_dir(self._latest_saved), self._paths)
+        except BaseException as error:
+            # Orbax unlists the steps a save is to delete when the save starts, and deletes
+            # them once it commits: after a failed save they are committed and on disk but not
+            # listed. List them again now, not only at the next save (_collect_garbage).
+            if not self._read_only and self._primary:
+                try:
+                    retry_deletions(self.orbax, self._directory)
+                except Exception as also:
+                    error.add_note(f"also: {type(also).__name__}: {also}")
+            raise
         if started:
             self._history.recorded()  # a save of this run committed, with the job's failures
 

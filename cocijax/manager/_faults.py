@@ -13,7 +13,8 @@ libfiu (``tests/reliability/test_io_errors.py``):
 * Orbax forgets the steps it meant to delete before it deletes them: a deletion that fails (or
   never runs, because the save that triggered it failed) is never tried again, and steps pile
   up beyond ``max_to_keep``. :func:`retry_deletions` notices committed steps on disk that
-  Orbax no longer lists and reloads Orbax's view, so its next save applies retention to them.
+  Orbax no longer lists and reloads Orbax's view, so its next save applies retention to them;
+  the manager calls it after a failed save too, so that until then they are still listed.
 """
 
 from __future__ import annotations

@@ -113,3 +113,36 @@ def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
             if p.is_dir()
         }
         assert on_disk == referenced
+
+
+def test_a_failed_save_still_lists_the_steps_its_retention_would_have_deleted(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    """Orbax drops the steps a save is to delete from its listing when the save starts, and
+    deletes them only once it commits: after a failed save they are on disk, committed, and
+    must be listed (and restorable) before the next save, not only after it."""
+    directory = tmp_path / "ckpt"
+    full_root = small_tmpfs / "root"
+    roots = [str(full_root), str(tmp_path / "disk_root")]
+    with cj.CheckpointManager(
+        directory, roots=roots, policy=cj.policies.fixed(1), max_to_keep=2
+    ) as mngr:
+        for step in (1, 2):
+            assert mngr.save(step, _state(step), loss=1.0, force=True)
+        mngr.wait_until_finished()
+        share = _stripe_bytes_on(full_root, directory, 2)
+        ballast = small_tmpfs / "ballast"
+        with open(ballast, "wb") as f:
+            f.write(b"\0" * max(0, _free_bytes(small_tmpfs) - share // 2))
+        with pytest.raises(OSError, match=str(full_root)):
+            mngr.save(3, _state(3), loss=1.0, force=True)
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        restored = mngr.restore(1, target=_abstract())
+        for k, v in _state(1).items():
+            np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+        ballast.unlink()
+        assert mngr.save(4, _state(4), loss=1.0, force=True)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2, 4]  # retention applies once a save commits
