@@ -82,7 +82,7 @@ def test_default_handler_writes_chunks_directly(tmp_path, roots, monkeypatch):
         ),
     )
     state = {"w": np.ones((4096, 256), np.float32)}  # 4 MiB: several 1 MiB chunks
-    handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20)
+    handler = cj.StripedCheckpointHandler(roots, chunk_bytes=1 << 20, small_bytes=1 << 20)
     with ocp.AsyncCheckpointer(handler) as ckptr:
         ckptr.save(tmp_path / "ckpt", args=cj.StripedSave(state))
         ckptr.wait_until_finished()
