@@ -27,7 +27,7 @@ import os
 import pathlib
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -92,7 +92,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         direct_writes: bool = True,
         reuse_host_buffers: bool = True,
         write_while_copying: bool = False,
-        copy_cpu_arrays_in_save: bool = False,
         multiprocessing_options: options_lib.MultiprocessingOptions | None = None,
     ):
         """Creates the handler and checks that every root can be written.
@@ -113,10 +112,11 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           piece_bytes: largest piece (one zarr array); large arrays are split to this size.
           small_bytes: regions below this size are packed, per dtype, into shared flat arrays.
             Each piece costs a directory, a ``zarr.json`` and the fsyncs of all three, besides
-            its bytes: packing below 8 MiB rather than 1 MiB cut the commit of
-            ``write_bench``'s transformer tree (c), 160 MiB, from 50 pieces to 7, and its
-            commit from 170 to 121 ms (restore unchanged, 144 ms; medians of 6, development
-            VM). A partial restore reads every pack holding a leaf it asks for whole.
+            its bytes: packing below 8 MiB rather than 1 MiB cut ``write_bench``'s transformer
+            tree (c), 160 MiB, from 50 pieces to 7, and its commit from 151 to 110 ms on one
+            root, 178 to 118 ms on two (restore 150-166 ms either way; medians of 6,
+            interleaved, development VM). A partial restore reads every pack holding a leaf it
+            asks for whole.
           compression: ``None`` or ``"zstd"`` (zarr3 codec).
           compression_level: zstd level.
           checksums: record xxh3_64 checksums at save and verify them at restore.
@@ -128,23 +128,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             copies several times faster than fresh memory. The handler then holds one host
             copy of this process's share of the last tree between saves; ``False`` frees it
             after each save.
-          write_while_copying: of the pieces ``save`` copies itself (see
-            ``copy_cpu_arrays_in_save``), start writing one of at least one chunk on a local
-            root as soon as its host copy is done, while ``save`` still copies the rest. The
-            save then commits sooner, but the writes slow the copy that blocks the caller, by
-            more than they save on few cores: on the 2-core development VM (``write_bench``
-            tree (a), 1 GiB, copied in ``save``) a save blocked 98 ms against 75 ms without and
-            committed in 549 ms against 583 ms. ``False`` (the default) keeps the blocking part
-            to the copy alone. (Pieces the commit copies always start writing once copied.)
-          copy_cpu_arrays_in_save: copy ``jax.Array`` leaves on the CPU to host buffers before
-            ``save`` returns. ``False`` (the default) does what Orbax's own handlers do on the
-            CPU: ``save`` holds their buffers (numpy views) and returns, and the commit copies
-            them, writing each piece as soon as it is copied. The values saved are those of
-            the call: JAX does not donate or free a buffer so held. A step that donates the
-            state while the copy runs gets new buffers instead (one more copy of the state in
-            memory, for that long). Numpy leaves, which the caller may change in place, and
-            accelerator arrays (their transfer to the host) are always copied before ``save``
-            returns.
+          write_while_copying: start writing a piece of at least one chunk on a local root as
+            soon as its host copy is done, while ``save`` still copies the rest. The save then
+            commits sooner, but the writes slow the copy that blocks the caller, by more than
+            they save on few cores: on the 2-core development VM (``write_bench`` tree (a),
+            1 GiB) a save blocked 98 ms against 75 ms without and committed in 549 ms against
+            583 ms. ``False`` (the default) keeps the blocking part to the copy alone, as
+            Orbax's handlers do.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
 
@@ -186,7 +176,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             direct_writes=direct_writes,
             reuse_host_buffers=reuse_host_buffers,
             write_while_copying=write_while_copying,
-            copy_cpu_arrays_in_save=copy_cpu_arrays_in_save,
             primary_host=(
                 multiprocessing_options or options_lib.MultiprocessingOptions()
             ).primary_host,
@@ -283,7 +272,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 start_raw=self._start_raw if self._options.write_while_copying else None,
                 buffers=self._buffers,
                 last=self._last_plan,
-                defer_cpu=not self._options.copy_cpu_arrays_in_save,
             )
         self._last_plan = snapshot.plan
         return snapshot
@@ -326,8 +314,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         local = {r: d for r, d in stripe_dirs.items() if isinstance(d, pathlib.Path)}
         for d in local.values():
             d.mkdir(exist_ok=True)
-        if snapshot.pending:
-            await self._copy_pending(snapshot, stripe_dirs)
         sums: list[asyncio.Future] = []
         writes = []
         for piece in snapshot.pieces:
@@ -384,27 +370,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         _manifest.replace_bytes(
             _manifest.part_path(directory, jax.process_index()), encoded, fsync=False
         )
-
-    async def _copy_pending(
-        self, snapshot: _snapshot.Snapshot, stripe_dirs: dict[int, pathlib.Path | KvPath]
-    ) -> None:
-        """Runs the copies ``save`` left (``snapshot.pending``), each piece writing once copied.
-
-        The writes of one piece overlap the copies of the next: nothing waits for this copy
-        but the commit itself (``write_while_copying`` is about copies that block the caller).
-        """
-
-        def copy_then_write(job: tuple[Callable[[], None], list[_layout.Piece]]) -> None:
-            copy, copied = job
-            copy()
-            for piece in copied:
-                started = self._start_raw(stripe_dirs[piece.root], piece, snapshot.data(piece))
-                if started is not None:
-                    snapshot.early[piece.name] = started
-
-        jobs, snapshot.pending = snapshot.pending, []  # the views go once copied
-        loop = asyncio.get_running_loop()
-        await _io.gather_all(loop.run_in_executor(self._pool, copy_then_write, j) for j in jobs)
 
     async def _encoded_manifest(
         self, directory: pathlib.Path, snapshot: _snapshot.Snapshot, sums: list[asyncio.Future]
@@ -547,7 +512,6 @@ class _Options:
     direct_writes: bool
     reuse_host_buffers: bool
     write_while_copying: bool
-    copy_cpu_arrays_in_save: bool
     primary_host: int | None
 
     def __post_init__(self) -> None:

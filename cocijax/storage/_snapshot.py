@@ -1,23 +1,14 @@
-"""The blocking part of a save: this process's share of a tree, made safe from the caller.
+"""The blocking part of a save: this process's share of a tree, copied to host memory once.
 
 Every leaf is recorded for the manifest; every replica-0 shard (or whole numpy array, on the
 primary process) becomes a *chunk* to write, and ``_layout`` plans the pieces; that
-:class:`Plan` is kept for the next save of the same structure. Each chunk is then copied exactly
-once, in parallel (numpy's copy releases the GIL), into page-aligned memory that direct writes
-use as it is; small chunks are copied straight into their packs. That memory comes from the
-handler's ``HostBuffers``: a save of the same shapes as the last one copies into pages already
-faulted in.
-
-What must be copied before ``save`` returns is what the caller can still change: numpy arrays,
-and accelerator arrays (their device-to-host transfer). A ``jax.Array`` on the CPU need not be:
-with ``defer_cpu`` the snapshot holds a numpy view of its buffer, as Orbax's own save does (its
-``np.asarray`` of each shard), and the copy is left to the commit (:attr:`Snapshot.pending`).
-JAX neither donates nor frees a buffer that a numpy view holds: a step that donates the state
-gets new buffers instead, and the values saved are those of the call (both tested).
-
-With ``start_raw`` given (the handler's ``write_while_copying``), a piece of at least one full
-chunk on an external root starts writing as soon as its own copy is done, while the rest is
-still being copied.
+:class:`Plan` is kept for the next save of the same structure. Then each chunk
+is copied exactly once, in parallel (numpy's copy releases the GIL), into page-aligned memory
+that direct writes use as it is; small chunks are copied straight into their packs. That memory
+comes from the handler's ``HostBuffers``: a save of the same shapes as the last one copies into
+pages already faulted in. With ``start_raw`` given (the handler's ``write_while_copying``), a
+piece of at least one full chunk on an external root starts writing as soon as its own copy is
+done, while the rest is still being copied.
 """
 
 from __future__ import annotations
@@ -61,11 +52,6 @@ class Snapshot:
     # The HostBuffers memory behind ``buffers`` and ``packs``, given back once written.
     owned: list[np.ndarray] = dataclasses.field(default_factory=list)
     plan: Plan | None = None  # what was written; the next save of the same structure reuses it
-    # Copies left to the commit (``defer_cpu``): each copy function, and the pieces it
-    # completes. They hold views of the CPU arrays' buffers until they have run.
-    pending: list[tuple[Callable[[], None], list[_layout.Piece]]] = dataclasses.field(
-        default_factory=list
-    )
 
     def data(self, piece: _layout.Piece) -> np.ndarray:
         if piece.packed:
@@ -244,7 +230,6 @@ def take(
     start_raw: StartRaw | None,
     buffers: _io.HostBuffers,
     last: Plan | None = None,
-    defer_cpu: bool = False,
 ) -> Snapshot:
     """Plans the pieces of ``item`` and copies this process's share to host memory.
 
@@ -260,8 +245,6 @@ def take(
         copied; ``None``: nothing is written before the whole copy is done.
       buffers: where the host memory comes from (``snapshot.owned`` goes back there).
       last: the plan of the previous save (``snapshot.plan``), reused if its signature holds.
-      defer_cpu: hold views of ``jax.Array`` buffers on the CPU instead of copying them;
-        the copies of the pieces made of nothing else are left in ``snapshot.pending``.
     """
     flat, treedef = _tree.flatten(item)
     options = dict(
@@ -278,16 +261,9 @@ def take(
         leaves[i] = dataclasses.replace(record, value=_inline_value(record.kind, flat[i][1]))
     pieces = list(plan.pieces)
     sources = _source_data(flat, plan)
-    held = [
-        defer_cpu and host and isinstance(s, jax.Array)
-        for s, host in zip(sources, plan.on_host, strict=True)
-    ]
-    for i, (s, host) in enumerate(zip(sources, plan.on_host, strict=True)):
+    for s, host in zip(sources, plan.on_host, strict=True):
         if not host:
             s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
-        elif held[i]:
-            # The view is what keeps JAX from donating or freeing the buffer (module docstring).
-            sources[i] = np.asarray(s)
     stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
     snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, plan=plan)
     # Stripe directories on external roots can be made now, so a piece's chunk files can be
@@ -311,16 +287,14 @@ def take(
                     snapshot.early[piece.name] = started
 
     jobs = _copy_jobs(snapshot, sources, plan.on_host, buffers)
-    now = [(copy, copied) for copy, copied, used in jobs if not all(held[i] for i in used)]
-    snapshot.pending = [(copy, copied) for copy, copied, used in jobs if all(held[i] for i in used)]
-    list(pool.map(copy_then_write, now))
+    list(pool.map(copy_then_write, jobs))
     return snapshot
 
 
 def _copy_jobs(
     snapshot: Snapshot, sources: list[Any], on_host: Sequence[bool], buffers: _io.HostBuffers
 ):
-    """(copy function, pieces it completes, sources it reads): one per pack and per other source."""
+    """(copy function, pieces it completes): one per packed piece, one per unpacked source."""
     packs = [p for p in snapshot.pieces if p.packed]
     by_source: dict[int, list[_layout.Piece]] = {}
     for piece in snapshot.pieces:
@@ -330,19 +304,18 @@ def _copy_jobs(
     to_copy = [i for i in by_source if on_host[i]]
     snapshot.owned = buffers.take([p.nbytes for p in packs] + [sources[i].nbytes for i in to_copy])
     flat = iter(snapshot.owned)
-    jobs: list[tuple[Callable[[], None], list[_layout.Piece], list[int]]] = []
+    jobs: list[tuple[Callable[[], None], list[_layout.Piece]]] = []
     for piece in packs:
         # Small regions are copied straight into their pack (still one copy each), in one
         # job per pack: one numpy call instead of a thread hop per leaf.
         buf = _as_array(next(flat), piece.shape, piece.dtype)
         snapshot.packs[piece.name] = buf
-        used = [chunk.source for chunk, _, _, _ in piece.members]
-        members = [sources[i] for i in used]
-        jobs.append((functools.partial(_pack_into, members, buf), [piece], used))
+        members = [sources[chunk.source] for chunk, _, _, _ in piece.members]
+        jobs.append((functools.partial(_pack_into, members, buf), [piece]))
     dests = dict(zip(to_copy, flat, strict=True))
     for src, copied in by_source.items():
         copy = functools.partial(_copy_source, snapshot, sources, src, dests.get(src))
-        jobs.append((copy, copied, [src]))
+        jobs.append((copy, copied))
     return jobs
 
 
@@ -384,7 +357,9 @@ def _copy_source(
     if dest is None:
         snapshot.buffers[index] = np.asarray(source)  # The device-to-host transfer's buffer.
         return
-    # On CPU np.asarray aliases the device buffer: the copy is what the writes may keep.
+    # On CPU np.asarray aliases the device buffer. Holding that view until the commit instead
+    # of copying (what Orbax does) keeps JAX from donating the buffer, and the next step then
+    # faults in fresh memory for its output: see benchmarks/train_loop_bench.py.
     view = np.asarray(source)
     out = _as_array(dest, view.shape, view.dtype)
     np.copyto(out, view)
