@@ -269,6 +269,10 @@ def main() -> int:
         roots=cfg["roots"],
         policy=cj.policies.fixed(cfg["every"]),
         max_to_keep=cfg["max_to_keep"],
+        # Leaves of 1 MiB and more get pieces of their own, as the test's width intends: with
+        # the default (packs up to 8 MiB) this state is two packs and nothing else, and no kill
+        # would land in the writes of an unpacked piece.
+        handler_options={"small_bytes": 1 << 20},
     )
     findings, restored = check(mngr, cfg, abstract)
     findings["pid"] = os.getpid()

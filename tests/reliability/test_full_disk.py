@@ -48,24 +48,48 @@ def _stripe_bytes_on(root: Path, directory: Path, step: int) -> int:
     return total
 
 
+def _manager(directory: Path, roots: list[str], **kwargs: Any) -> cj.CheckpointManager:
+    # Packs of at most 1 MiB: the default (8 MiB) would put the whole 2 MiB state in one pack
+    # on one root, and the disk root would never be written.
+    return cj.CheckpointManager(
+        directory,
+        roots=roots,
+        policy=cj.policies.fixed(1),
+        handler_options={"small_bytes": 1 << 20},
+        **kwargs,
+    )
+
+
+def _save_two_then_fill(
+    mngr: cj.CheckpointManager, directory: Path, full_root: Path, tmpfs: Path
+) -> Path:
+    """Saves steps 1 and 2, then fills ``tmpfs`` (holding ``full_root``) with a ballast file
+    until it has room for about half of the next save's share on that root; returns the
+    ballast."""
+    for step in (1, 2):
+        assert mngr.save(step, _state(step), loss=1.0, force=True)
+    mngr.wait_until_finished()
+    share = _stripe_bytes_on(full_root, directory, 2)
+    assert share > 256 * 1024, f"the tmpfs root got only {share} bytes of step 2"
+    ballast = tmpfs / "ballast"
+    with open(ballast, "wb") as f:
+        f.write(b"\0" * max(0, _free_bytes(tmpfs) - share // 2))
+    assert _free_bytes(tmpfs) < share
+    return ballast
+
+
+def _assert_restores(mngr: cj.CheckpointManager, step: int) -> None:
+    restored = mngr.restore(step, target=_abstract())
+    for k, v in _state(step).items():
+        np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+
 def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
     directory = tmp_path / "ckpt"
     full_root = small_tmpfs / "root"
     roots = [str(full_root), str(tmp_path / "disk_root")]
-    with cj.CheckpointManager(
-        directory, roots=roots, policy=cj.policies.fixed(1), max_to_keep=10
-    ) as mngr:
-        for step in (1, 2):
-            assert mngr.save(step, _state(step), loss=1.0, force=True)
-        mngr.wait_until_finished()
-        share = _stripe_bytes_on(full_root, directory, 2)
-        assert share > 256 * 1024, f"the tmpfs root got only {share} bytes of step 2"
-
-        # Leave room for about half of the next stripe on the tmpfs root.
-        ballast = small_tmpfs / "ballast"
-        with open(ballast, "wb") as f:
-            f.write(b"\0" * max(0, _free_bytes(small_tmpfs) - share // 2))
-        assert _free_bytes(small_tmpfs) < share
+    with _manager(directory, roots, max_to_keep=10) as mngr:
+        ballast = _save_two_then_fill(mngr, directory, full_root, small_tmpfs)
 
         error, raised_by = None, None
         try:
@@ -86,20 +110,16 @@ def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
         assert list(mngr.all_steps()) == [1, 2]
         for step in (1, 2):
             assert storage.verify(item_dir(directory, step)) == []
-            restored = mngr.restore(step, target=_abstract())
-            for k, v in _state(step).items():
-                np.testing.assert_array_equal(np.asarray(restored[k]), v)
+            _assert_restores(mngr, step)
 
         ballast.unlink()
         assert mngr.save(4, _state(4), loss=1.0, force=True)
         mngr.wait_until_finished()
         assert list(mngr.all_steps()) == [1, 2, 4]
-        restored = mngr.restore(4, target=_abstract())
-        for k, v in _state(4).items():
-            np.testing.assert_array_equal(np.asarray(restored[k]), v)
+        _assert_restores(mngr, 4)
 
     # A new process opening the directory sees the same committed steps and no stray stripes.
-    with cj.CheckpointManager(directory, roots=roots, policy=cj.policies.fixed(1)) as mngr:
+    with _manager(directory, roots) as mngr:
         assert list(mngr.all_steps()) == [1, 2, 4]
         referenced = set()
         for step in mngr.all_steps():
@@ -124,23 +144,13 @@ def test_a_failed_save_still_lists_the_steps_its_retention_would_have_deleted(
     directory = tmp_path / "ckpt"
     full_root = small_tmpfs / "root"
     roots = [str(full_root), str(tmp_path / "disk_root")]
-    with cj.CheckpointManager(
-        directory, roots=roots, policy=cj.policies.fixed(1), max_to_keep=2
-    ) as mngr:
-        for step in (1, 2):
-            assert mngr.save(step, _state(step), loss=1.0, force=True)
-        mngr.wait_until_finished()
-        share = _stripe_bytes_on(full_root, directory, 2)
-        ballast = small_tmpfs / "ballast"
-        with open(ballast, "wb") as f:
-            f.write(b"\0" * max(0, _free_bytes(small_tmpfs) - share // 2))
+    with _manager(directory, roots, max_to_keep=2) as mngr:
+        ballast = _save_two_then_fill(mngr, directory, full_root, small_tmpfs)
         with pytest.raises(OSError, match=str(full_root)):
             mngr.save(3, _state(3), loss=1.0, force=True)
             mngr.wait_until_finished()
         assert mngr.all_steps() == [1, 2]
-        restored = mngr.restore(1, target=_abstract())
-        for k, v in _state(1).items():
-            np.testing.assert_array_equal(np.asarray(restored[k]), v)
+        _assert_restores(mngr, 1)
 
         ballast.unlink()
         assert mngr.save(4, _state(4), loss=1.0, force=True)
