@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import sys
 from pathlib import Path
 
 BENCH_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
@@ -35,6 +37,15 @@ def filesystem(path: str) -> str:
                 best = (mnt, dev, fstype)
     mnt, dev, fstype = best
     return f"{fstype} on {dev} (mounted at {mnt})"
+
+
+def machine_line(directory: str, *versions: str) -> str:
+    """``Machine: <CPU, RAM>; <file system of directory>; <UTC time>; Python <x>[, versions].``"""
+    stamp = datetime.datetime.now(datetime.UTC)
+    python = ", ".join([f"Python {sys.version.split()[0]}", *versions])
+    return (
+        f"Machine: {cpu_and_ram()}; {filesystem(directory)}; {stamp:%Y-%m-%d %H:%M} UTC; {python}."
+    )
 
 
 def write_section(section: str, text: str) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import shutil
 import statistics
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import cpu_and_ram, filesystem, write_section
+from _report import machine_line, write_section
 from write_bench import _evict, _tree
 
 SECTION = "restore_floor"
@@ -107,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("\n".join(lines), "", verdict, sep="\n")
     if args.write:
-        stamp = datetime.datetime.now(datetime.UTC)
         write_section(
             SECTION,
             "\n".join(
@@ -118,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     "interleaved, page cache evicted before every run). See the module "
                     "docstring for the three methods.",
                     "",
-                    f"Machine: {cpu_and_ram()}; {filesystem(str(args.dir))}; "
-                    f"{stamp:%Y-%m-%d %H:%M} UTC; Python {sys.version.split()[0]}.",
+                    machine_line(str(args.dir)),
                     "",
                     *lines,
                     "",

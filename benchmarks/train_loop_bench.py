@@ -21,7 +21,6 @@ Run: ``python benchmarks/train_loop_bench.py [--repeat N] [--steps N] [--every K
 from __future__ import annotations
 
 import argparse
-import datetime
 import shutil
 import statistics
 import sys
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import cpu_and_ram, filesystem, write_section
+from _report import machine_line, write_section
 from write_bench import _tree
 
 SECTION = "train_loop_bench"
@@ -128,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines))
     if args.write:
-        stamp = datetime.datetime.now(datetime.UTC)
         write_section(
             SECTION,
             "\n".join(
@@ -138,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     "Command: `python benchmarks/train_loop_bench.py`. See the module docstring "
                     "for the loop and the methods.",
                     "",
-                    f"Machine: {cpu_and_ram()}; {filesystem(str(args.dir))}; "
-                    f"{stamp:%Y-%m-%d %H:%M} UTC; Python {sys.version.split()[0]}, "
-                    f"jax {jax.__version__}.",
+                    machine_line(str(args.dir), f"jax {jax.__version__}"),
                     "",
                     *lines,
                 ]
