@@ -5,6 +5,8 @@ Curves: the ten shared real curves (``../shared/loss_curves`` from the repositor
 ``tune`` and ``holdout`` by ``index.csv``; see its SOURCES.md). Each curve is stretched to an
 8-hour job (step time = 8 h / rows). Each policy runs online through :func:`cocijax.plan` (it
 sees only the history so far, and ``total_steps`` for ``coci``; ``coci no total`` does not).
+Two more runs of ``coci`` are told a wrong length: 1.25 times the curve's (an exploratory job
+stopped at 80% of its plan) and 0.8 times (a job that runs 25% past its plan).
 
 Scores are weighted overheads (hindsight weights of :func:`cocijax.sim.progress_weights`,
 time_weight 0.25). Scenarios A and B have Poisson failures: every schedule is scored by its
@@ -69,6 +71,8 @@ SCENARIOS = {
     "C": dict(mtbf_s=7200.0, checkpoint_cost_s=30.0, recovery_s=120.0, weibull_shape=0.7),
 }
 CLASSIC = ("young", "daly", "checkfreq")
+STOPPED_EARLY = "coci, told 1.25 N"
+RAN_OVER = "coci, told 0.8 N"
 SCALES = np.geomspace(0.25, 4.0, 41)
 
 
@@ -98,6 +102,9 @@ def policies_for(n: int, sc: dict) -> dict[str, cj.policies.Policy]:
         "coci_paper": cj.policies.coci_paper(m),
         "coci": cj.policies.coci(m, r, TIME_WEIGHT, total_steps=n),
         "coci no total": cj.policies.coci(m, r, TIME_WEIGHT),
+        # A length declared wrong: the job is stopped at 80% of it, or runs 25% past it.
+        STOPPED_EARLY: cj.policies.coci(m, r, TIME_WEIGHT, total_steps=round(1.25 * n)),
+        RAN_OVER: cj.policies.coci(m, r, TIME_WEIGHT, total_steps=round(0.8 * n)),
     }
 
 
@@ -174,6 +181,8 @@ def run_case(y: np.ndarray, sc: dict, trials: int, seed: int) -> dict:
         bound_red=1.0 - bound[0] / classic,
         capture=capture("coci"),
         capture_nt=capture("coci no total"),
+        capture_early=capture(STOPPED_EARLY),
+        capture_over=capture(RAN_OVER),
         capture_trend=capture("trend oracle") if "trend oracle" in res else math.nan,
         vs_bound=res["coci"][0] / bound[0] - 1.0,
         trend_vs_bound=res.get("trend oracle", (math.nan,))[0] / bound[0] - 1.0,
@@ -246,6 +255,10 @@ def summarise(rows: list[dict], sets: tuple[str, ...], scens: tuple[str, ...]) -
         capture_min=min(fin("capture")),
         capture_nt_median=statistics.median(fin("capture_nt")),
         capture_nt_min=min(fin("capture_nt")),
+        capture_early_median=statistics.median(fin("capture_early")),
+        capture_over_median=statistics.median(fin("capture_over")),
+        worst_early=max(r["res"][STOPPED_EARLY][0] / r["classic"] - 1.0 for r in sel),
+        worst_over=max(r["res"][RAN_OVER][0] / r["classic"] - 1.0 for r in sel),
         capture_trend_median=statistics.median(fin("capture_trend") or [math.nan]),
         capture_trend_min=min(fin("capture_trend") or [math.nan]),
         vs_bound_median=statistics.median(fin("vs_bound")),
@@ -279,6 +292,10 @@ def targets(s: dict) -> list[tuple[str, str, str]]:
         ("wall overhead <= 1.4x Young's (both)", f"max {s['wall']:.2f}x", ok(s["wall"] <= 1.4)),
         ("coci's weighted overhead above the bound (median, max)",
          f"{s['vs_bound_median']:+.1%}, max {s['vs_bound_max']:+.1%}", "measure"),
+        ("coci told 1.25 N (stopped at 80%): capture (median), worst vs best classic",
+         f"{s['capture_early_median']:.0%}, worst {s['worst_early']:+.2%}", "measure"),
+        ("coci told 0.8 N (ran 25% over): capture (median), worst vs best classic",
+         f"{s['capture_over_median']:.0%}, worst {s['worst_over']:+.2%}", "measure"),
     ]  # fmt: skip
     if math.isfinite(s["capture_trend_median"]):
         rows += [
@@ -356,8 +373,8 @@ def main() -> None:
 
     table = Table(title=f"policy_bench: weighted overhead (s), time_weight {TIME_WEIGHT}")
     cols = ["curve", "set", "scen", "rows", "best classic", "coci", "coci no total", "coci_paper",
-            "bound", "bound red.", "capture", "capture no total", "trend oracle capture",
-            "coci wall / young"]  # fmt: skip
+            "bound", "bound red.", "capture", "capture no total", "capture told 1.25 N",
+            "capture told 0.8 N", "trend oracle capture", "coci wall / young"]  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in ("curve", "set") else "right")
     pct = lambda x: f"{x:.0%}" if math.isfinite(x) else ""
@@ -365,7 +382,8 @@ def main() -> None:
         [r["curve"], r["set"], r["scen"], str(r["n"]), f"{r['classic']:.0f}",
          f"{r['res']['coci'][0]:.0f}", f"{r['res']['coci no total'][0]:.0f}",
          f"{r['res']['coci_paper'][0]:.3g}", f"{r['bound']:.0f}", f"{r['bound_red']:.1%}",
-         pct(r["capture"]), pct(r["capture_nt"]), pct(r["capture_trend"]),
+         pct(r["capture"]), pct(r["capture_nt"]), pct(r["capture_early"]),
+         pct(r["capture_over"]), pct(r["capture_trend"]),
          f"{r['wall_vs_young']:.2f}"]
         for r in rows
     ]  # fmt: skip
@@ -408,7 +426,9 @@ def main() -> None:
         "overhead in seconds (time_weight 0.25, hindsight weights). A and B are exact "
         "expectations and their bound is the exact optimum (DP); C is Monte Carlo (common "
         "random numbers) against a heuristic bound. Capture = (best classic - policy) / "
-        "(best classic - bound). `coci` gets `total_steps`; `coci no total` does not. The trend "
+        "(best classic - bound). `coci` gets `total_steps`; `coci no total` does not; `told "
+        "1.25 N` is told a length 25% too long (a job stopped at 80% of its plan), `told 0.8 N` "
+        "one 20% too short (a job that runs 25% past it). The trend "
         "oracle (A and B) is the exact optimum of the weights averaged over one Young interval: "
         "it knows the future's trend but not its noise, more than any online policy knows (see "
         "the module docstring). Split `fresh`: curves trained after every parameter of `coci` "

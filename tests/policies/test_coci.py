@@ -73,6 +73,31 @@ def test_no_save_where_the_job_ends_too_soon_to_pay_it_back():
     assert n not in steps
 
 
+@pytest.mark.parametrize("declared", [1000, 2000])
+def test_a_job_that_runs_past_total_steps_stays_protected(declared):
+    """Past ``total_steps`` the job's length is unknown after all: the policy keeps saving as
+    it does without ``total_steps`` (it planned up to ``total_steps`` and, before this rule,
+    never saved again), and up to ``total_steps`` it decides as for a job that ends there."""
+    n, mtbf, cost = 4000, 3600.0, 10.0
+    losses = _curve(n)
+    kw = dict(step_time_s=2.0, checkpoint_cost_s=cost)
+    steps = cj.plan(losses, cj.policies.coci(mtbf, 60.0, total_steps=declared), **kw)
+    ended = cj.plan(losses[:declared], cj.policies.coci(mtbf, 60.0, total_steps=declared), **kw)
+    np.testing.assert_array_equal(steps[steps <= declared], ended)
+    young_steps = math.sqrt(2.0 * cost * mtbf) / 2.0
+    gaps = np.diff(np.concatenate([[declared], steps[steps > declared]]))
+    assert gaps.size >= (n - declared) / (2.0 * young_steps)
+    assert gaps.max() <= 2.0 * young_steps
+    weights = cj.sim.progress_weights(losses, 0.25)
+    score = lambda s: (
+        cj.sim.expected_overhead(
+            s, n_steps=n, weights=weights, recovery_s=60.0, mtbf_s=mtbf, **kw
+        ).weighted_s
+    )
+    young = cj.plan(losses, cj.policies.young(mtbf), **kw)
+    assert score(steps) <= 1.01 * score(young)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_without_total_steps_it_never_does_worse_than_young(seed):
     """The job length is unknown: the weight keeps to Young's side of every end in the range
