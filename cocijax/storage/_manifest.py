@@ -13,6 +13,7 @@ calls once every process's commit has finished.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -146,8 +147,8 @@ class PieceRecord:
     checksum: int | None = None
     process: int = 0
 
-    @property
-    def shape(self) -> tuple[int, ...]:
+    @functools.cached_property
+    def shape(self) -> tuple[int, ...]:  # cached: a restore asks several times per piece
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
 
 

@@ -219,19 +219,29 @@ class PieceReader:
             raise self._error(piece, bad[_ident(piece)])
         dest[...] = _member(data, piece)[local]
 
-    async def member(self, piece: PieceRecord) -> np.ndarray:
-        """The whole packed member ``piece`` as a view of its file's buffer: no copy.
+    async def members(self, pieces: Sequence[PieceRecord]) -> list[np.ndarray]:
+        """Whole packed members, each a view of its file's buffer: no copy.
+
+        Each file is awaited once, not once per member: a pack holds hundreds of leaves, and a
+        task per leaf cost more than reading them (measured, 1024 leaves of 1 KiB).
 
         Raises:
-          CorruptCheckpointError: the file cannot be read or the member fails its checksum.
+          CorruptCheckpointError: a file cannot be read or a member fails its checksum.
         """
+        files = {(p.root, p.file): p for p in pieces}
         try:
-            data, bad = await self._read_full(piece)
+            loaded = await gather_all(self._read_full(p) for p in files.values())
         finally:
-            self._release((piece.root, piece.file))
-        if _ident(piece) in bad:
-            raise self._error(piece, bad[_ident(piece)])
-        return _member(data, piece)
+            for p in pieces:
+                self._release((p.root, p.file))
+        by_file = dict(zip(files, loaded, strict=True))
+        views = []
+        for piece in pieces:
+            data, bad = by_file[(piece.root, piece.file)]
+            if _ident(piece) in bad:
+                raise self._error(piece, bad[_ident(piece)])
+            views.append(_member(data, piece))
+        return views
 
     async def _read_array(
         self, piece: PieceRecord, local: tuple, dest: np.ndarray, whole: bool

@@ -96,8 +96,22 @@ def restore_tree(
         for j, req in enumerate(plan.requests)
     ]
 
+    # A region that is one whole member of a pack is a view of the pack's buffer (no copy);
+    # those are taken together, the other regions are assembled one task each.
+    members = {k: m for k, (_, _, req, _) in enumerate(batch) if (m := _pack_member(req))}
+    rest = [k for k in range(len(batch)) if k not in members]
+
     async def run() -> list[np.ndarray]:
-        return await _io.gather_all(_assemble(reader, dt, req) for _, _, req, dt in batch)
+        views, built = await _io.gather_all(
+            [
+                reader.members(list(members.values())),
+                _io.gather_all(_assemble(reader, batch[k][3], batch[k][2]) for k in rest),
+            ]
+        )
+        out: list[Any] = [None] * len(batch)
+        for k, data in zip([*members, *rest], [*views, *built], strict=True):
+            out[k] = data
+        return out
 
     datas = _io.run_sync(run()) if batch else []
     host: list[list[Any]] = [[None] * len(plan.requests) for plan in plans]
@@ -223,7 +237,7 @@ def _target_spec(record: LeafRecord, target: Any, directory: pathlib.Path):
     """(shape, dtype, sharding or None) the target asks for; ValueError on mismatch."""
     shape = tuple(int(d) for d in target.shape)
     dtype = np.dtype(target.dtype)
-    if shape != record.shape or dtype.name != record.dtype:
+    if shape != record.shape or _tree.dtype_name(dtype) != record.dtype:
         raise ValueError(
             f"Leaf {record.path} in {directory}: the target asks for shape {shape} dtype "
             f"{dtype.name}, but the checkpoint holds shape {record.shape} dtype {record.dtype}."
@@ -287,24 +301,29 @@ def _request(
 ) -> _Request:
     parts = []
     for p in pieces:
-        lo = tuple(max(a, c) for a, c in zip(start, p.start, strict=True))
-        hi = tuple(min(b, d) for b, d in zip(stop, p.stop, strict=True))
+        if p.start == start and p.stop == stop:  # the usual case: the piece is the region
+            lo, hi = start, stop
+        else:
+            lo = tuple(max(a, c) for a, c in zip(start, p.start, strict=True))
+            hi = tuple(min(b, d) for b, d in zip(stop, p.stop, strict=True))
         if all(a < b for a, b in zip(lo, hi, strict=True)):
             parts.append((p, lo, hi))
             reader.reserve(p)
     return start, stop, parts
 
 
-async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
-    """The host array of one requested region of one leaf, read in place from its pieces.
-
-    A region that is one whole member of a pack is a view of the pack's buffer (no copy).
-    """
+def _pack_member(request: _Request) -> PieceRecord | None:
+    """The packed piece that ``request`` is exactly, whole; ``None`` if it is not one."""
     start, stop, parts = request
-    if len(parts) == 1 and parts[0][0].offset is not None:
-        piece, lo, hi = parts[0]
-        if (lo, hi) == (start, stop) == (piece.start, piece.stop):
-            return await reader.member(piece)
+    if len(parts) != 1 or parts[0][0].offset is None:
+        return None
+    piece, lo, hi = parts[0]
+    return piece if (lo, hi) == (start, stop) == (piece.start, piece.stop) else None
+
+
+async def _assemble(reader: _read.PieceReader, dtype: np.dtype, request: _Request) -> np.ndarray:
+    """The host array of one requested region of one leaf, read in place from its pieces."""
+    start, stop, parts = request
     out = _io.aligned_empty(tuple(b - a for a, b in zip(start, stop, strict=True)), dtype)
     await _io.gather_all(
         reader.read_into(p, lo, hi, out[_layout.local_slices(lo, hi, start)]) for p, lo, hi in parts

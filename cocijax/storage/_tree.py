@@ -69,8 +69,9 @@ def dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
+@functools.cache
 def to_dtype(name: str) -> np.dtype:
-    """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*)."""
+    """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*); cached."""
     if hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)

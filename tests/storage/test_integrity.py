@@ -1,5 +1,6 @@
 """Corrupt or missing pieces, ``verify``, manifest parsing and multi-process part merging."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -118,8 +119,7 @@ def test_merge_parts_of_two_processes(saved):
         # Process 1 lists the roots in the other order: the merge remaps by path.
         roots = whole.roots if process == 0 else whole.roots[::-1]
         remapped = tuple(
-            _manifest.PieceRecord(**{**vars(p), "root": roots.index(whole.roots[p.root])})
-            for p in pieces
+            dataclasses.replace(p, root=roots.index(whole.roots[p.root])) for p in pieces
         )
         part = _manifest.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
         _manifest.replace_bytes(
