@@ -56,6 +56,7 @@ from cocijax.manager._directory import (
     TRASH_DIR,
     check_extra,
     check_layout,
+    checked_once,
     is_committed,
     list_committed,
     merge_options,
@@ -671,11 +672,13 @@ class CheckpointManager:
         args = {STATE_ITEM: storage.StripedRestore(target, partial=partial), **items}
         newest = step is None
         for attempt in range(_DELETED_RETRIES + 1):
-            candidates = self._copies(step, tier, fallback=fallback)
             try:
-                (candidate, where), restored = self._restore_first(
-                    candidates, args, fallback=fallback
-                )
+                with checked_once():  # one check of each step's manifest per attempt
+                    candidates = self._copies(step, tier, fallback=fallback)
+                    (candidate, where), restored = self._restore_first(
+                        candidates, args, fallback=fallback
+                    )
+                    self._load_policy(candidate, where=where)
             except _Deleted as deleted:
                 if newest and attempt < _DELETED_RETRIES:
                     log.info(
@@ -694,7 +697,6 @@ class CheckpointManager:
                         else f"; committed now: {self.all_steps()}."
                     )
                 ) from deleted.__cause__
-            self._load_policy(candidate, where=where)
             self._restored_step = candidate
             self._pending_loss = None
             self._driver.restart_timing()
