@@ -82,10 +82,10 @@ def checked_once() -> Iterator[None]:
     """Inside the block (in this thread), :func:`is_committed` reads each manifest once.
 
     One restore asks Orbax for the step's items twice (the state, the policy state), and Orbax
-    looks each step up twice per restore: each lookup read and checked the whole manifest,
-    ~20 ms for 1024 leaves. A block spans one read of a step, during which its manifest does
-    not change (a writer renames a step away whole; the restore's own read of the manifest
-    then fails).
+    looks each step up twice per restore; opening a manager lists the steps several times.
+    Each lookup read and checked the whole manifest, ~20 ms for 1024 leaves. A block spans
+    one opening or one read of a step, during which a committed manifest does not change (a
+    writer renames a step away whole; a restore's own read of the manifest then fails).
 
     Example:
       >>> with checked_once():
