@@ -56,6 +56,7 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/step_cost_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/write_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/restore_floor.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/resume_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/tier_bench.py $(BENCH_ARGS)
 
 # The live chaos benchmark (half an hour; `make chaos CHAOS_ARGS=--quick`: five minutes), restarts

@@ -64,6 +64,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cocijax.policies import _base, _horizon
 from cocijax.policies._base import Policy
@@ -186,9 +187,10 @@ def coci(
     min_points = int(min_points)
     _base.check_nonnegative("cost_prior_s", cost_prior_s)
     known_end = total_steps is not None
-    nan = jnp.asarray(jnp.nan, jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    izero = jnp.zeros((), jnp.int32)
+    # From numpy scalars: jnp.zeros and its like compile an XLA program each when run eagerly
+    # (tens of ms apiece in a fresh process, here at every construction of the policy).
+    nan, zero = jnp.asarray(np.float32(np.nan)), jnp.asarray(np.float32(0.0))
+    izero = jnp.asarray(np.int32(0))
     bins = _horizon.NUM_BINS
 
     def init() -> CociState:

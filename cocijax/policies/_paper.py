@@ -32,6 +32,8 @@ References:
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,9 +42,22 @@ import jax.numpy as jnp
 from cocijax.policies import _base, _convergence
 from cocijax.policies._base import Policy
 
-# Grid of -theta1 * span (span = time covered by the history): from almost flat to a decay
-# over 1/200 of it.
-_RATE_GRID = jnp.asarray(jnp.logspace(-3.0, jnp.log10(200.0), 96), jnp.float32)
+
+@functools.cache
+def _rate_grid() -> jax.Array:
+    """Grid of -theta1 * span (span = time covered by the history): from almost flat to a decay
+    over 1/200 of it.
+
+    Made on first use, not at import: it compiled four small XLA programs, 0.1 s of every
+    ``import cocijax`` that reached the manager (``-X importtime``). It is made eagerly in a
+    thread of its own, where no trace of the caller is active (JAX's trace state is per
+    thread): the same float32 values whether it is first asked inside ``jit`` or not.
+    (``jax.ensure_compile_time_eval`` gave 65 of the 96 values one ulp apart.)
+    """
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(
+            lambda: jnp.asarray(jnp.logspace(-3.0, jnp.log10(200.0), 96), jnp.float32)
+        ).result()
 
 
 # The artifact saves once at iteration 10 to time a checkpoint.
@@ -70,9 +85,10 @@ def fit_exp(h: _convergence.History):
     closed-form optimum for each candidate.
     """
     span = jnp.maximum(jnp.max(jnp.where(h.n > 0, h.x, 0.0)), 1e-6)
-    rates = _RATE_GRID / span
+    rates = _rate_grid() / span
     i = jnp.argmin(_exp_sse(h, rates)[0])
-    step = jnp.log(_RATE_GRID[1] / _RATE_GRID[0])
+    grid = _rate_grid()
+    step = jnp.log(grid[1] / grid[0])
     fine = rates[i] * jnp.exp(jnp.linspace(-1.0, 1.0, 64) * step)
     sse, scale = _exp_sse(h, fine)
     j = jnp.argmin(sse)
