@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +65,26 @@ def write_section(section: str, text: str) -> None:
     else:
         new = current.rstrip("\n") + "\n\n" + block
     BENCH_MD.write_text(new)
+
+
+def run_in_child(script: str, case: dict, *, label: object = None, **run_options) -> dict:
+    """Runs ``python script --_case <case as JSON>`` in a fresh process; its last line, parsed.
+
+    A benchmark measures each case in a process of its own (nothing cached, clean memory
+    accounting); ``run_options`` go to ``subprocess.run`` (``env``, ``cwd``).
+
+    Raises:
+      RuntimeError: the case failed; names it (``label``, default the case) with its stderr.
+    """
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--_case", json.dumps(case)],
+        capture_output=True,
+        text=True,
+        check=False,
+        **run_options,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"case {case if label is None else label} failed:\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _report import machine_line, write_section
+from _report import machine_line, run_in_child, write_section
 from write_bench import _evict, _tree
 
 SECTION = "resume_bench"
@@ -95,18 +93,6 @@ def _resume(case: dict) -> dict:
     return {"open_s": t1 - t0, "restore_s": t2 - t1}
 
 
-def _child(case: dict) -> dict:
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--_case", json.dumps(case)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"case {case} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs per case (median kept)")
@@ -127,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         for tree in args.trees:
             for method in METHODS:
                 case = {"tree": tree, "method": method, "steps": args.steps}
-                _child(case | {"phase": "save", "dir": str(work / f"{tree}-{method}")})
+                run_in_child(
+                    __file__, case | {"phase": "save", "dir": str(work / f"{tree}-{method}")}
+                )
         for rep in range(args.repeat):
             for tree in args.trees:
                 for method in METHODS:  # interleaved: load drifts hit every method alike
                     case = {"tree": tree, "method": method, "steps": args.steps}
                     directory = str(work / f"{tree}-{method}")
-                    result = _child(case | {"phase": "resume", "dir": directory})
+                    result = run_in_child(__file__, case | {"phase": "resume", "dir": directory})
                     runs.setdefault((tree, method), []).append(result)
                     print(f"[{rep + 1}/{args.repeat}] ({tree}) {method}: {result}", flush=True)
     finally:

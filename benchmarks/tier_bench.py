@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import cpu_and_ram, write_section
+from _report import cpu_and_ram, run_in_child, write_section
 
 MiB = 1 << 20
 SECTION = "tier_bench"
@@ -259,16 +259,9 @@ def _empty_bucket(endpoint: str) -> None:
 
 def _one(case: dict) -> dict:
     env = {**os.environ, **AWS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--_case", json.dumps(case)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parent,
+    return run_in_child(
+        __file__, case, label=case["name"], env=env, cwd=Path(__file__).resolve().parent
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"case {case['name']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _median(runs: list[dict]) -> dict:

@@ -58,7 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-from _report import BENCH_MD, cpu_and_ram, filesystem, write_section
+from _report import BENCH_MD, cpu_and_ram, filesystem, run_in_child, write_section
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -330,16 +330,7 @@ def _run_save(case: dict) -> dict:
 def _one(case: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix="cocijax-bench-", dir=case["base"]))
     try:
-        child = dict(case, dir=str(work))
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--_case", json.dumps(child)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"case {case} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return run_in_child(__file__, dict(case, dir=str(work)), label=case)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -176,6 +176,10 @@ class CheckpointManager:
       [100, 200, 300]
     """
 
+    # Orbax lists the steps as it opens, and so does the manager: each step's manifest is read
+    # and checked once in here (3 steps: 14 reads before, now 6; Orbax reads each step's
+    # metrics in threads of its own, which check again).
+    @checked_once()
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -269,68 +273,62 @@ class CheckpointManager:
         if not self._read_only and self._primary:
             self._lock = DirectoryLock(self._directory)
             self._lock.acquire()
-        # Orbax lists the steps as it opens, and so does the manager: each step's manifest
-        # is read and checked once here (3 steps: 14 reads before, now 6; Orbax reads
-        # each step's metrics in threads of its own, which check again).
-        with checked_once():
-            try:
-                self._uncommitted = check_layout(self._directory)
-                for entry in self._uncommitted:
-                    log.warning(
-                        "%s has no valid cocijax manifest: not listed (uncommitted).", entry
-                    )
-                # Only the primary writer marks the directory; every process reads the history
-                # saved with the checkpoints (process 0's measurements reach the policy anyway).
-                self._history = RunHistory(
-                    self._directory,
-                    clock=clock,
-                    writer=self._lock is not None,
-                    opened_at_age_s=age,
+        try:
+            self._uncommitted = check_layout(self._directory)
+            for entry in self._uncommitted:
+                log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
+            # Only the primary writer marks the directory; every process reads the history
+            # saved with the checkpoints (process 0's measurements reach the policy anyway).
+            self._history = RunHistory(
+                self._directory,
+                clock=clock,
+                writer=self._lock is not None,
+                opened_at_age_s=age,
+            )
+            self._driver = make_driver(
+                history=self._history,
+                # A reader never decides: a compile per opening cost seconds of CPU each (a
+                # reader opening managers in a loop ran long past its loop, compiling).
+                compile_now=not self._read_only,
+                drain_s=None if self._durable is None else self._last_drain_s,
+            )
+            handler = storage.StripedCheckpointHandler(
+                # A reader needs no roots (the manifest names them) and must not create them.
+                roots=[] if self._read_only else list(self._stripe_roots),
+                **(handler_options or {}),
+            )
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            registry.add(STATE_ITEM, storage.StripedSave, handler)
+            registry.add(STATE_ITEM, storage.StripedRestore, handler)
+            policy_handler = PolicyStateHandler(
+                primary_host=options.multiprocessing_options.primary_host
+            )
+            registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
+            registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
+            self.orbax = ocp.CheckpointManager(
+                self._directory, options=options, handler_registry=registry
+            )
+            self._collect_garbage()
+            if self._durable is not None:
+                self._durable.open(max(self._local_steps(), default=None))
+            latest = self.latest_step()
+            self._history.adopt(None)
+            if latest is not None:
+                where = "local" if latest in self._local_steps() else "durable"
+                self._load_policy(latest, history=True, where=where)
+            self._latest_saved = latest
+        except BaseException:
+            # The lock is released even when closing Orbax or the drain fails too; the error
+            # of the open is the one raised.
+            with contextlib.suppress(Exception):
+                orbax = getattr(self, "orbax", None)
+                tier = self._durable
+                run_all(
+                    _nothing if orbax is None else orbax.close,
+                    _nothing if tier is None else tier.close,
+                    self._release,
                 )
-                self._driver = make_driver(
-                    history=self._history,
-                    # A reader never decides: a compile per opening cost seconds of CPU each (a
-                    # reader opening managers in a loop ran long past its loop, compiling).
-                    compile_now=not self._read_only,
-                    drain_s=None if self._durable is None else self._last_drain_s,
-                )
-                handler = storage.StripedCheckpointHandler(
-                    # A reader needs no roots (the manifest names them) and must not create them.
-                    roots=[] if self._read_only else list(self._stripe_roots),
-                    **(handler_options or {}),
-                )
-                registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-                registry.add(STATE_ITEM, storage.StripedSave, handler)
-                registry.add(STATE_ITEM, storage.StripedRestore, handler)
-                policy_handler = PolicyStateHandler(
-                    primary_host=options.multiprocessing_options.primary_host
-                )
-                registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
-                registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
-                self.orbax = ocp.CheckpointManager(
-                    self._directory, options=options, handler_registry=registry
-                )
-                self._collect_garbage()
-                if self._durable is not None:
-                    self._durable.open(max(self._local_steps(), default=None))
-                latest = self.latest_step()
-                self._history.adopt(None)
-                if latest is not None:
-                    where = "local" if latest in self._local_steps() else "durable"
-                    self._load_policy(latest, history=True, where=where)
-                self._latest_saved = latest
-            except BaseException:
-                # The lock is released even when closing Orbax or the drain fails too; the error
-                # of the open is the one raised.
-                with contextlib.suppress(Exception):
-                    orbax = getattr(self, "orbax", None)
-                    tier = self._durable
-                    run_all(
-                        _nothing if orbax is None else orbax.close,
-                        _nothing if tier is None else tier.close,
-                        self._release,
-                    )
-                raise
+            raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
         self._preemption = _watcher(() if self._read_only else signals, self._directory)

@@ -81,6 +81,8 @@ def is_committed(step_dir: Path) -> bool:
 def checked_once() -> Iterator[None]:
     """Inside the block (in this thread), :func:`is_committed` reads each manifest once.
 
+    Also a decorator: each call of the function decorated is one block.
+
     One restore asks Orbax for the step's items twice (the state, the policy state), and Orbax
     looks each step up twice per restore; opening a manager lists the steps several times.
     Each lookup read and checked the whole manifest, ~20 ms for 1024 leaves. A block spans
