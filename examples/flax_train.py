@@ -203,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     # The iterator's position, saved with every checkpoint: read when a step saves, not before.
     extra = {"data": grain.checkpoint.CheckpointSave(data)}
 
+    # exit_on_preemption=False: this loop checks reached_preemption itself, to say so and
+    # exit 0 (by default a SIGTERM ends the process with status 143 once its save commits).
     with cj.CheckpointManager(
-        args.dir, roots=args.roots, policy=policy, max_to_keep=args.max_to_keep
+        args.dir,
+        roots=args.roots,
+        policy=policy,
+        max_to_keep=args.max_to_keep,
+        exit_on_preemption=False,
     ) as mngr:
         start = mngr.latest_step() or 0
         if start:

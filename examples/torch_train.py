@@ -208,7 +208,11 @@ def main(argv=None) -> int:
         kw = {"every": args.every}
     policy = getattr(cj.policies, args.policy)(**kw)
 
-    with cjt.CheckpointManager(args.dir, policy=policy, max_to_keep=args.max_to_keep) as mngr:
+    # exit_on_preemption=False: this loop checks reached_preemption itself, to say so and
+    # exit 0 (by default a SIGTERM ends the process with status 143 once its save commits).
+    with cjt.CheckpointManager(
+        args.dir, policy=policy, max_to_keep=args.max_to_keep, exit_on_preemption=False
+    ) as mngr:
         start = mngr.latest_step() or 0
         if start:
             mngr.restore(target=state, extra={"batches": batches})

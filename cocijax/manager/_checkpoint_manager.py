@@ -25,7 +25,6 @@ deletion never leaves a listed step with half its files; the manager empties tha
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, final
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from cocijax import storage
@@ -53,7 +53,6 @@ from cocijax.manager._directory import (
     METRICS_ITEM,
     POLICY_ITEM,
     STATE_ITEM,
-    TRASH_DIR,
     check_extra,
     check_layout,
     checked_once,
@@ -64,8 +63,14 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._driver import manager_driver, stage_loss
 from cocijax.manager._faults import naming, retry_deletions, run_all, wait
-from cocijax.manager._gc import collect_garbage
+from cocijax.manager._gc import collect_garbage, quarantine
 from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._identity import (
+    check_directory,
+    check_locations,
+    open_identity,
+    read_identity,
+)
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
@@ -110,8 +115,11 @@ class CheckpointManager:
 
     **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
     (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
-    says, waits until it is committed, returns True and sets :attr:`reached_preemption`: leave
-    the loop then. With several processes every one of them takes that save at the same step
+    says and waits until it is committed. Then, by default, the managers of the process are
+    closed and the signal ends the process as it would have without cocijax (exit status
+    143 for SIGTERM); with ``exit_on_preemption=False`` it returns True and sets
+    :attr:`reached_preemption`: leave the loop then. Several managers in one process each take
+    their preemption save. With several processes every one of them takes that save at the same step
     (JAX's preemption service through Orbax where it is on, else a flag exchange, see
     ``_preemption``). The previous handlers are back after :meth:`close`.
 
@@ -138,6 +146,11 @@ class CheckpointManager:
         0 ranks every step, as Orbax does).
       preemption_signals: the signals that announce a preemption (default SIGTERM); ``()``
         turns preemption saves off.
+      exit_on_preemption: once the preemption save has committed (and every other open
+        manager of the process has taken its own), close the managers and let the signal end
+        the process as it would have without cocijax (SIGTERM: exit status 143), or call the
+        handler that was installed before. ``False``: ``save`` returns True, sets
+        :attr:`reached_preemption`, and the loop leaves itself.
       options: any other ``ocp.CheckpointManagerOptions`` (e.g. ``enable_async_checkpointing``,
         ``read_only``). Options that decide when to save (``save_decision_policy``,
         ``should_save_fn``, ``save_on_steps``) and step naming (``step_prefix``,
@@ -193,6 +206,7 @@ class CheckpointManager:
         best_mode: str = "max",
         keep_latest: int = 1,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        exit_on_preemption: bool = True,
         options: ocp.CheckpointManagerOptions | None = None,
         handler_options: dict[str, Any] | None = None,
         prior_mtbf_s: float | None = None,
@@ -207,17 +221,11 @@ class CheckpointManager:
             raise TypeError(
                 f"directory: expected a path (str or os.PathLike), got {type(directory).__name__}."
             )
-        self._directory = Path(directory).absolute()
-        if self._directory.exists() and not self._directory.is_dir():
-            raise NotADirectoryError(f"directory: {self._directory} exists and is not a directory.")
+        self._directory = check_directory(directory)
         root_options = (handler_options or {}).get("root_options")
         self._roots = tuple(manager_root(r, root_options) for r in roots) if roots else ()
-        # Each checkpoint directory stripes into its own folder on a root, so that the garbage
-        # collection of one manager never sees (and removes) the stripes of another directory
-        # sharing the root. Derived from the path, not random, so that every process of a job
-        # agrees on it without communicating.
-        namespace = ".cocijax-" + hashlib.sha256(str(self._directory).encode()).hexdigest()[:16]
-        self._stripe_roots = tuple(root / namespace for root in self._roots)
+        # Where this directory stripes on each root: known once its identity is (below).
+        self._stripe_roots: tuple[Path | storage.KvPath, ...] = ()
         self._clock = clock
         self._closed = False
         self._lock: DirectoryLock | None = None
@@ -242,6 +250,8 @@ class CheckpointManager:
             )
         options = orbax_options
         signals = check_signals(preemption_signals)
+        if not isinstance(exit_on_preemption, bool):
+            raise TypeError(f"exit_on_preemption: expected a bool, got {exit_on_preemption!r}.")
         self._metrics: dict[int, Any] = {}  # committed steps' metrics, read once (best_fn)
         self._check_metrics = MetricsCheck(self._best)  # a step without metrics: said once
         self._reached_preemption = False
@@ -263,6 +273,7 @@ class CheckpointManager:
             writer=not options.read_only and self._primary,
             clock=clock,
         )
+        check_locations(self._directory, self._roots, getattr(self._durable, "root", None))
         if self._durable is not None:
             options = pin_steps(options, self._durable.pinned)
 
@@ -274,9 +285,16 @@ class CheckpointManager:
             self._lock = DirectoryLock(self._directory)
             self._lock.acquire()
         try:
-            self._uncommitted = check_layout(self._directory)
-            for entry in self._uncommitted:
-                log.warning("%s has no valid cocijax manifest: not listed (uncommitted).", entry)
+            damaged = check_layout(self._directory)
+            if self._lock is not None:
+                for entry, problem in damaged:
+                    quarantine(entry, problem)
+            else:
+                for entry, problem in damaged:
+                    log.warning("%s is not listed: %s", entry, problem)
+            namespace = self._namespace(options.multiprocessing_options.primary_host)
+            if namespace is not None:
+                self._stripe_roots = tuple(root / namespace for root in self._roots)
             # Only the primary writer marks the directory; every process reads the history
             # saved with the checkpoints (process 0's measurements reach the policy anyway).
             self._history = RunHistory(
@@ -331,8 +349,10 @@ class CheckpointManager:
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
-        self._preemption = _watcher(() if self._read_only else signals, self._directory)
-        self._preemption.install()
+        self._preemption = _watcher(
+            () if self._read_only else signals, self._directory, exit_on_preemption
+        )
+        self._preemption.install(on_end=self.close)
         # Processes that exchange flags or ask JAX's service must call `due` at every step.
         self._poll_preemption = self._preemption.polled
 
@@ -345,6 +365,23 @@ class CheckpointManager:
             self._history.close if self._history is not None else _nothing,
             self._lock.release if self._lock is not None else _nothing,
         )
+
+    def _namespace(self, primary_host: int | None) -> str | None:
+        """The name of this directory's folder on each root (None for a reader without one).
+
+        The primary writer reads or makes the directory's identity (``_identity``); the other
+        processes of a job take it from the primary, which holds the lock meanwhile.
+        """
+        if self._lock is not None:
+            namespace = open_identity(self._directory, self._roots).namespace
+        elif self._read_only:
+            identity = read_identity(self._directory)
+            namespace = None if identity is None else identity.namespace
+        else:
+            namespace = None
+        if jax.process_count() > 1 and not self._read_only:
+            namespace = _from_primary(namespace, is_source=self._primary)
+        return namespace
 
     def _last_drain_s(self) -> float:
         return self._durable.drain_s
@@ -494,6 +531,7 @@ class CheckpointManager:
             self.wait_until_finished()
             self._reached_preemption = True
             log.info("%s: preemption signal: step %d saved and committed", self._directory, step)
+            self._preemption.end_job()  # by default the process ends here, as it would have
         return saved or preempted
 
     def _save(
@@ -528,7 +566,6 @@ class CheckpointManager:
                 with naming(self._step_dir(step), self._paths):
                     self._apply_retention()
                     self._collect_garbage()
-                    self._clear_uncommitted(step)
                 if not self._async:
                     # A synchronous Orbax save waits for every item, the policy item included,
                     # so that item records the cost measured so far; the policy itself is fed
@@ -568,18 +605,6 @@ class CheckpointManager:
             self.orbax.delete(step)
             self._committed.discard(step)
             del self._metrics[step]
-
-    def _clear_uncommitted(self, step: int) -> None:
-        """Moves an unlisted (manifest-less) directory of ``step`` to the trash before reuse."""
-        if not self._primary:
-            return
-        for entry in [e for e in self._uncommitted if e.name == str(step)]:
-            trash = self._directory / TRASH_DIR
-            trash.mkdir(exist_ok=True)
-            target = trash / f"{entry.name}-uncommitted-{time.time_ns()}"
-            log.warning("moving uncommitted %s to %s before saving step %d", entry, target, step)
-            entry.rename(target)
-            self._uncommitted.remove(entry)
 
     @property
     def _paths(self) -> tuple[Path, ...]:
@@ -718,10 +743,10 @@ class CheckpointManager:
         Raises:
           _Deleted: a local copy's directory vanished while it was read (a writer deleted it).
         """
-        skipped: list[str] = []
+        skipped: list[tuple[int, str]] = []
         for step, where in copies:
             try:
-                return (step, where), self._restore_items(step, where, args)
+                restored = self._restore_items(step, where, args)
             except Exception as e:
                 # A writer renames a step out of the directory before it removes any of its
                 # data, so data missing under a step directory that is still there is damage.
@@ -729,14 +754,51 @@ class CheckpointManager:
                     raise _Deleted(step) from e
                 if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
                     if skipped:
-                        e.add_note(f"restore: also damaged, skipped: {', '.join(skipped)}")
+                        names = ", ".join(self._copy_name(*c) for c in skipped)
+                        e.add_note(f"restore: also damaged, skipped: {names}")
+                    if isinstance(e, _DAMAGE):
+                        e.add_note(self._damage_hint(fallback))
                     raise
-                what = f"step {step}" + (f" ({where} copy)" if self._durable else "")
                 warnings.warn(
-                    f"restore: skipping damaged {what}: {e}", RuntimeWarning, stacklevel=3
+                    f"restore: skipping damaged {self._copy_name(step, where)}: {e}",
+                    RuntimeWarning,
+                    stacklevel=3,
                 )
-                skipped.append(what)
+                skipped.append((step, where))
+            else:
+                self._set_aside([s for s, w in skipped if w == "local"])
+                return (step, where), restored
         raise AssertionError("unreachable: the last copy returns or raises")
+
+    def _copy_name(self, step: int, where: str) -> str:
+        return f"step {step}" + (f" ({where} copy)" if self._durable else "")
+
+    def _damage_hint(self, fallback: bool) -> str:
+        verify = f"`cocijax verify {self._directory}` names every damaged step and file."
+        if fallback:
+            return f"restore: no intact older step to fall back to. {verify}"
+        return (
+            "restore(fallback=True) restores the newest intact older step instead (and sets "
+            f"the damaged ones aside); {verify}"
+        )
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Sets damaged local steps aside after a fallback restore skipped them (a writer's).
+
+        They are newer than the step restored: left listed, the next save would have to come
+        after them. Kept in the quarantine for inspection (see ``_gc``), not listed.
+        """
+        if not steps or self._lock is None:
+            return
+        self._wait()
+        for step in steps:
+            step_dir = self._step_dir(step)
+            if step_dir.exists():
+                quarantine(step_dir, "damaged, skipped by restore(fallback=True)")
+            self._committed.discard(step)
+            self._metrics.pop(step, None)
+        self.orbax.reload()
+        self._latest_saved = self.latest_step()
 
     def _copies(
         self, step: int | None, tier: str | None, *, fallback: bool
@@ -929,7 +991,9 @@ class _Deleted(Exception):
         self.step = step
 
 
-def _watcher(signals: tuple[signal.Signals, ...], directory: Path) -> PreemptionWatcher:
+def _watcher(
+    signals: tuple[signal.Signals, ...], directory: Path, exit_on_preemption: bool
+) -> PreemptionWatcher:
     """The preemption watcher of a JAX job: flags exchanged, or JAX's service, across processes."""
     allgather = service = None
     if jax.process_count() > 1:
@@ -938,7 +1002,27 @@ def _watcher(signals: tuple[signal.Signals, ...], directory: Path) -> Preemption
         allgather = multihost_utils.process_allgather
         if jax.config.jax_enable_preemption_service:
             service = ocp.multihost.reached_preemption
-    return PreemptionWatcher(signals, owner=str(directory), allgather=allgather, service=service)
+    return PreemptionWatcher(
+        signals,
+        owner=str(directory),
+        allgather=allgather,
+        service=service,
+        exit_on_preemption=exit_on_preemption,
+    )
+
+
+def _from_primary(text: str | None, *, is_source: bool) -> str | None:
+    """The primary process's ``text`` (a short ASCII string or None), on every process."""
+    from jax.experimental import multihost_utils
+
+    data = np.zeros(64, np.uint8)
+    if is_source and text is not None:
+        encoded = text.encode("ascii")
+        data[0] = len(encoded) + 1
+        data[1 : 1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=is_source))
+    size = int(data[0])
+    return None if size == 0 else bytes(data[1:size]).decode("ascii")
 
 
 def _check_custom_metadata(custom_metadata: Any) -> dict[str, Any] | None:

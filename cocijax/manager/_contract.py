@@ -43,6 +43,7 @@ from typing import (
 )
 
 __all__ = [
+    "MAX_STEP",
     "MEASUREMENTS",
     "POLICY_STATE",
     "DirectoryLockedError",
@@ -110,18 +111,27 @@ class Measurements(NamedTuple):
     drain_s: float = math.nan
 
 
+MAX_STEP = 2**31 - 1
+"""The largest step a manager saves: policies count steps in int32 (jit-friendly everywhere)."""
+
+
 def check_step(step: Any) -> int:
     """A training step as given to a manager's ``save``: an ``int`` (or NumPy integer) >= 1.
 
     Raises:
       TypeError: ``step`` is not an integer (a float, a string, a bool, None).
-      ValueError: ``step`` is below 1.
+      ValueError: ``step`` is below 1 or above :data:`MAX_STEP`.
     """
     if isinstance(step, bool) or not hasattr(step, "__index__"):
         raise TypeError(f"step: expected an int, got {type(step).__name__} {step!r}.")
     step = step.__index__()
     if step < 1:
         raise ValueError(f"step: must be >= 1 (completed training steps), got {step}.")
+    if step > MAX_STEP:
+        raise ValueError(
+            f"step: must be at most {MAX_STEP} (2**31 - 1: a policy counts steps in int32), "
+            f"got {step}."
+        )
     return step
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from etils import epath
 
 from cocijax import storage
 from cocijax.manager._contract import check_extra_names
@@ -40,6 +41,7 @@ __all__ = [
     "is_committed",
     "merge_options",
     "split_best",
+    "step_problem",
 ]
 
 STATE_ITEM = "state"
@@ -151,6 +153,8 @@ class CommittedStepFormat:
                 if Path(metadata.path).is_dir():
                     raise
                 continue
+            except Exception:  # damaged Orbax metadata: not listed (a writer sets it aside)
+                continue
             yield _ListedStep(metadata.step, metadata.path, committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
@@ -188,14 +192,19 @@ class _NoSuchStep(FileNotFoundError, ValueError):
     """
 
 
-def check_layout(directory: Path) -> list[Path]:
-    """Raises if ``directory`` holds something cocijax did not write; returns uncommitted steps.
+def check_layout(directory: Path) -> list[tuple[Path, str]]:
+    """Raises if ``directory`` holds something cocijax did not write; returns damaged steps.
 
     Allowed: step directories holding a ``state`` item, Orbax temporary directories, and hidden
-    entries (our lock, trash and, when ``directory`` is also a root, its stripe folder). An
-    entry that vanishes while it is looked at was deleted by a writer: it is skipped.
+    entries (our lock, identity, trash, quarantine and, when ``directory`` is also a root, its
+    stripe folder). An entry that vanishes while it is looked at was deleted by a writer: it is
+    skipped.
+
+    Returns:
+      ``(step directory, what is wrong)`` for each step that cannot be listed: no valid
+      manifest (never committed, or damaged since), or Orbax metadata that cannot be read.
     """
-    uncommitted = []
+    damaged = []
     for entry in sorted(directory.iterdir()):
         name = entry.name
         if name.startswith(".") or TMP_MARK in name:
@@ -206,8 +215,9 @@ def check_layout(directory: Path) -> list[Path]:
                     f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
                     "item; it was not written by cocijax. Use an empty or cocijax-only directory."
                 )
-            if not is_committed(entry) and entry.exists():
-                uncommitted.append(entry)
+            problem = step_problem(entry)
+            if problem is not None and entry.exists():
+                damaged.append((entry, problem))
             continue
         if not os.path.lexists(entry):
             continue
@@ -215,13 +225,33 @@ def check_layout(directory: Path) -> list[Path]:
             f"directory: {entry} was not written by cocijax (expected only step directories). "
             "Use an empty or cocijax-only directory."
         )
-    return uncommitted
+    return damaged
+
+
+def step_problem(step_dir: Path) -> str | None:
+    """Why a step directory cannot be listed (None: it is committed and readable).
+
+    Its manifest must be valid (:func:`is_committed`) and Orbax's metadata of the step
+    (``_CHECKPOINT_METADATA``) readable: Orbax reads it to list the step.
+    """
+    try:
+        storage.read_manifest(step_dir / STATE_ITEM)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        return f"no valid manifest: {e}"
+    try:
+        ocp.path.step.Metadata(int(step_dir.name), epath.Path(step_dir)).commit_timestamp  # noqa: B018
+    except (FileNotFoundError, NotADirectoryError):
+        return None if not step_dir.exists() else "its Orbax metadata vanished"
+    except Exception as e:  # Orbax's own errors of a damaged metadata file are of any type
+        return f"its Orbax metadata cannot be read ({type(e).__name__}: {e})"
+    return None
 
 
 def merge_options(
     options: ocp.CheckpointManagerOptions | None, **shortcuts: Any
 ) -> ocp.CheckpointManagerOptions:
     options = options or ocp.CheckpointManagerOptions()
+    _check_retention({**vars(options), **{k: v for k, v in shortcuts.items() if v is not None}})
     for name, value in shortcuts.items():
         if value is None:
             continue
@@ -251,10 +281,41 @@ def merge_options(
         # Orbax's commit fsyncs nothing; a user's own temporary-path class is kept as given.
         temporary_path_class=options.temporary_path_class or DurableRenameTemporaryPath,
         step_name_format=CommittedStepFormat(),
-        cleanup_tmp_directories=not options.read_only,
+        # Failed saves are removed by the manager's garbage collection (_gc), after waiting:
+        # Orbax's own cleanup ran in a thread of its own, racing it.
+        cleanup_tmp_directories=False,
         todelete_subdir=TRASH_DIR,
         create=not options.read_only,
     )
+
+
+def _check_retention(options: Mapping[str, Any]) -> None:
+    """Refuses retention options that would delete every step, or that Orbax refuses late.
+
+    Orbax accepts ``max_to_keep=0`` (and then deletes every committed step, the preemption
+    save included) and ``keep_period=0`` (which fails only at the first save, inside its
+    thread); a negative value is taken as it comes.
+
+    Raises:
+      ValueError: ``max_to_keep`` or ``keep_period`` below 1, or ``keep_time_interval`` not a
+        positive duration (naming the argument and what to pass).
+    """
+    for name in ("max_to_keep", "keep_period"):
+        value = options.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{name}: expected an int >= 1 or None, got {value!r}"
+                + ("; None keeps every step." if name == "max_to_keep" else ".")
+            )
+    interval = options.get("keep_time_interval")
+    if interval is not None and (
+        not isinstance(interval, datetime.timedelta) or interval <= datetime.timedelta(0)
+    ):
+        raise ValueError(
+            f"keep_time_interval: expected a positive datetime.timedelta or None, got {interval!r}."
+        )
 
 
 def split_best(

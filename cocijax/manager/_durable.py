@@ -22,20 +22,9 @@ from pathlib import Path
 
 from orbax.checkpoint.path import atomicity
 
-from cocijax import storage
+from cocijax._files import fsync_dir, fsync_file
 
-__all__ = ["DurableRenameTemporaryPath", "fsync_file", "fsync_tree"]
-
-
-def fsync_file(path: str | os.PathLike[str]) -> None:
-    """fsyncs one file; an error names it (``fsync(2)`` errors do not)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
-    finally:
-        os.close(fd)
+__all__ = ["DurableRenameTemporaryPath", "fsync_tree"]
 
 
 def fsync_tree(top: Path) -> None:
@@ -44,7 +33,7 @@ def fsync_tree(top: Path) -> None:
     for dirpath, _, filenames in os.walk(top, topdown=False, onerror=_raise):
         for name in filenames:
             fsync_file(os.path.join(dirpath, name))
-        storage.fsync_dir(dirpath)
+        fsync_dir(dirpath)
 
 
 class DurableRenameTemporaryPath(atomicity.AtomicRenameTemporaryPath):
@@ -71,5 +60,5 @@ def _after_rename(final: Path) -> None:
     for entry in final.iterdir():
         if entry.is_file():
             fsync_file(entry)
-    storage.fsync_dir(final)
-    storage.fsync_dir(final.parent)
+    fsync_dir(final)
+    fsync_dir(final.parent)

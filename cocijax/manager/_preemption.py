@@ -18,13 +18,24 @@ for the commit. How the processes of a job agree on that step:
   1000 steps). Every process takes the save at the first such step after any of them got the
   signal. Between those steps a call costs an integer comparison.
 
+**Several managers in one process** (a training state and an EMA, say) each take their
+preemption save: the handler is installed once per signal for all of them (chained to the
+handler that was there before the first), and a signal reaches every open manager.
+
+**Ending the job.** Without cocijax a SIGTERM ends the process (status 143); a manager that only
+set a flag would let a loop that does not check it train on until the scheduler's SIGKILL. So by
+default (``exit_on_preemption=True``), once every open manager of the process has taken its
+preemption save, they are closed cleanly and the signal is delivered to the handler that was
+there before cocijax's: the default action ends the process as the signal would have, a Python
+handler is called, an ignored signal stays ignored. A loop that checks ``reached_preemption``
+and wants control passes ``exit_on_preemption=False`` to its managers.
+
 Nothing here imports JAX or PyTorch: each manager passes its own ``allgather`` and ``service``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import threading
 import warnings
@@ -68,6 +79,52 @@ def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
     return tuple(out)
 
 
+class _Chain:
+    """The handler of one signal for every watcher of the process, and the one it replaced.
+
+    Attributes:
+      previous: the handler installed before the first watcher's (``signal.getsignal``'s).
+      watchers: the installed watchers of this signal, oldest first.
+    """
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+        self.watchers: list[PreemptionWatcher] = []
+
+
+# Signals whose default action does not end the process: delivering one closes nothing.
+_HARMLESS = frozenset(
+    getattr(signal, name)
+    for name in ("SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH")
+    if hasattr(signal, name)
+)
+# Signal -> its chain. Touched only in the main thread (installing, uninstalling, handling).
+_CHAINS: dict[signal.Signals, _Chain] = {}
+
+
+def _dispatch(signum: int, frame: Any) -> None:
+    """The one Python handler of a watched signal: every installed watcher records it."""
+    # Runs in the main thread between two bytecodes: only record (no locks, no logging).
+    sig = signal.Signals(signum)
+    chain = _CHAINS.get(sig)
+    if chain is None or not chain.watchers:  # every watcher is gone: not ours to handle
+        _deliver(sig, None if chain is None else chain.previous, frame)
+        return
+    for watcher in chain.watchers:
+        if watcher.signal is None:
+            watcher.signal = sig
+
+
+def _deliver(sig: signal.Signals, previous: Any, frame: Any = None) -> None:
+    """Hands a signal to ``previous``: a Python handler is called, the default action taken."""
+    if callable(previous):
+        previous(int(sig), frame)
+    elif previous in (signal.SIG_DFL, None):
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)  # the default action: most signals end the process here
+    # signal.SIG_IGN: ignored, as it would have been
+
+
 @final
 class PreemptionWatcher:
     """Turns preemption signals into one save step that every process agrees on.
@@ -81,6 +138,9 @@ class PreemptionWatcher:
       service: a ``step -> bool`` preemption sync point that catches SIGTERM itself (JAX's
         preemption service through Orbax's ``multihost.reached_preemption``), asked at every
         step; ``None`` when there is none.
+      exit_on_preemption: once every watcher of the process has given its preemption step and
+        its manager reported the save committed (:meth:`end_job`), deliver the signal to the
+        handler cocijax replaced (see the module docstring).
 
     Attributes:
       signal: the first preemption signal this process received, or ``None``.
@@ -90,7 +150,7 @@ class PreemptionWatcher:
 
     Example:
       >>> import os, signal
-      >>> watcher = PreemptionWatcher((signal.SIGUSR1,), owner="demo")
+      >>> watcher = PreemptionWatcher((signal.SIGUSR1,), owner="demo", exit_on_preemption=False)
       >>> watcher.install()
       >>> watcher.due(1)
       False
@@ -107,7 +167,10 @@ class PreemptionWatcher:
         owner: str,
         allgather: Callable[[np.ndarray], np.ndarray] | None = None,
         service: Callable[[int], bool] | None = None,
+        exit_on_preemption: bool = True,
     ):
+        if not isinstance(exit_on_preemption, bool):
+            raise TypeError(f"exit_on_preemption: expected a bool, got {exit_on_preemption!r}.")
         self.signals = check_signals(signals)
         self._owner = owner
         self._service = service if signal.SIGTERM in self.signals else None
@@ -116,14 +179,22 @@ class PreemptionWatcher:
         self._allgather = allgather if self._own else None
         # `due` must be called at every step (not only after a signal of this process).
         self.polled = self._service is not None or self._allgather is not None
-        self._previous: dict[signal.Signals, Any] = {}
-        self._active = False
+        self._exit = exit_on_preemption
+        self._installed: tuple[signal.Signals, ...] = ()
+        self._on_end: Callable[[], object] | None = None
         self._next_exchange = 0  # the first call exchanges (every process makes it)
         self.signal: signal.Signals | None = None
         self.reached = False
+        self.done = False  # the manager reported its preemption save committed
 
-    def install(self) -> None:
-        """Installs the handlers; outside the main thread, warns and installs nothing."""
+    def install(self, on_end: Callable[[], object] | None = None) -> None:
+        """Installs the handlers; outside the main thread, warns and installs nothing.
+
+        Args:
+          on_end: closes this watcher's manager cleanly before the job ends (see
+            :meth:`end_job`).
+        """
+        self._on_end = on_end
         if not self._own:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -138,32 +209,64 @@ class PreemptionWatcher:
                 stacklevel=3,
             )
             return
-        self._active = True
         for sig in self._own:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            current = signal.getsignal(sig)
+            chain = _CHAINS.get(sig)
+            if chain is None or current is not _dispatch:
+                # First watcher, or someone replaced ours since: chain to what is there now.
+                chain = _CHAINS[sig] = _CHAINS.get(sig) or _Chain(current)
+                if current is not _dispatch:
+                    chain.previous = current
+                signal.signal(sig, _dispatch)
+            chain.watchers.append(self)
+        self._installed = self._own
 
     def uninstall(self) -> None:
-        """Puts the previous handlers back (where ours is still the installed one)."""
-        self._active = False
-        if threading.current_thread() is not threading.main_thread():
-            return  # our handler stays, inactive: it passes signals to the previous handler
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous = {}
+        """Stops watching; the last watcher of a signal puts its previous handler back.
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        # Runs in the main thread between two bytecodes: only record (no locks, no logging).
-        if self._active:
-            if self.signal is None:
-                self.signal = signal.Signals(signum)
+        Outside the main thread the handler stays installed: with no watcher left it hands
+        every signal to the previous handler.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        for sig in self._installed:
+            chain = _CHAINS.get(sig)
+            if chain is None or self not in chain.watchers:
+                continue
+            chain.watchers.remove(self)
+            if not chain.watchers and main:
+                if signal.getsignal(sig) is _dispatch:
+                    previous = chain.previous
+                    signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+                del _CHAINS[sig]
+        self._installed = ()
+
+    def end_job(self) -> None:
+        """Called once this watcher's preemption save has committed: ends the job if due.
+
+        With ``exit_on_preemption``, once every watcher of the signal in the process is done
+        (each took its save), the signal (SIGTERM, in a process of a job whose other process was
+        the one notified) goes where it would have gone without cocijax: to the
+        default action (every manager is closed first, so that the next run finds clean
+        markers and no lock), or to the Python handler that was there (called; the managers
+        stay open), or nowhere if it was ignored. Otherwise nothing happens.
+        """
+        self.done = True
+        sig = self.signal
+        if sig is None and self.reached and self._installed:
+            # Another process of the job got the signal: the job is preempted all the same, and
+            # this process ends with it (as the one notified does), not at its next collective.
+            sig = signal.SIGTERM if signal.SIGTERM in self._installed else self._installed[0]
+        if not self._exit or sig is None or sig not in self._installed:
             return
-        previous = self._previous.get(signal.Signals(signum))  # closed: not ours to handle
-        if callable(previous):
-            previous(signum, frame)
-        elif previous in (signal.SIG_DFL, None):
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        chain = _CHAINS[sig]
+        if not all(w.done and w._exit for w in chain.watchers):
+            return  # another manager of this process has not taken its preemption save yet
+        previous = chain.previous
+        if not callable(previous) and previous != signal.SIG_IGN and sig not in _HARMLESS:
+            for watcher in list(chain.watchers):
+                if watcher._on_end is not None:
+                    watcher._on_end()  # closes the manager (uninstalls its watcher)
+        _deliver(sig, previous)
 
     def due(self, step: int, step_time_s: float = math.nan) -> bool:
         """Whether ``step`` is the preemption save step; True at one step only.

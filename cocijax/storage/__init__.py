@@ -15,6 +15,7 @@ copies a committed item there, every checksum checked, its manifest last, readin
 host buffers a :class:`BufferPool` keeps faulted in from one copy to the next.
 """
 
+from cocijax._files import fsync_dir, make_dirs
 from cocijax.storage._copy import BufferPool, CopyStats, copy_item
 from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
@@ -30,8 +31,6 @@ from cocijax.storage._manifest import (
     Problem,
     check_tree,
     find_stripe_dirs,
-    fsync_dir,
-    make_dirs,
     read_manifest,
     referenced_stripe_dirs,
     remove_tree,

@@ -133,17 +133,6 @@ def write_file(
     return path
 
 
-def fsync_file(path: pathlib.Path) -> None:
-    """fsyncs the file at ``path`` (written earlier with ``sync=False``); errors name it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from e
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: memoryview) -> None:
     done = 0
     while done < len(data):

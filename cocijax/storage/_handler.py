@@ -41,6 +41,7 @@ from orbax.checkpoint import options as options_lib
 # (what `CheckpointManager.item_metadata` expects): the one private import left here.
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
+from cocijax import _files
 from cocijax.storage import (
     _direct,
     _io,
@@ -345,12 +346,12 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         # every object is there.
         files = [path for paths in written if paths for path in paths]
         await _io.gather_all(
-            loop.run_in_executor(self._io_pool, _direct.fsync_file, f) for f in files
+            loop.run_in_executor(self._io_pool, _files.fsync_file, f) for f in files
         )
         dirs = {local[p.root] / p.name for p in snapshot.pieces if p.root in local}
         dirs |= {*local.values(), *(d.parent for d in local.values())}
         await _io.gather_all(
-            [loop.run_in_executor(self._io_pool, _manifest.fsync_dir, d) for d in dirs]
+            [loop.run_in_executor(self._io_pool, _files.fsync_dir, d) for d in dirs]
             + [
                 _write.check_written(d, self._chunk_counts(snapshot.pieces, r))
                 for r, d in stripe_dirs.items()
@@ -556,7 +557,7 @@ def _restore_args(args: Any, item: Any) -> StripedRestore:
 
 def _check_writable(path: pathlib.Path, name: str) -> None:
     try:
-        _manifest.make_dirs(path)
+        _files.make_dirs(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".cocijax-probe-"):
             pass
     except OSError as e:

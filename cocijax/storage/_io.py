@@ -189,6 +189,10 @@ def run_sync(coro: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:  # outside the except: an error of coro is not chained to "no running loop"
         return asyncio.run(_boxed(coro)).value
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, _boxed(coro)).result().value

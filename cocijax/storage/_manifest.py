@@ -20,10 +20,13 @@ import math
 import os
 import pathlib
 import re
-import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import xxhash
+
+from cocijax._files import fsync_dir, replace_bytes
+from cocijax._files import remove_tree as remove_local_tree
 from cocijax.storage import _kvpath, _schema, _tree
 from cocijax.storage._digest import check_digest, with_digest
 from cocijax.storage._kvpath import KvPath
@@ -322,74 +325,57 @@ def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
     return data
 
 
-def fsync_dir(path: os.PathLike | str) -> None:
-    """Makes the entries of directory ``path`` durable (new files, renames)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # fsync(2) errors do not name the directory
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
-    finally:
-        os.close(fd)
-
-
-def make_dirs(path: os.PathLike | str) -> pathlib.Path:
-    """Creates directory ``path`` and its missing parents durably; returns it.
-
-    ``mkdir(parents=True)`` alone leaves each new name in a directory that was never synced,
-    so a power loss may lose the whole tree (and everything later made durable inside it):
-    each parent that gained an entry is fsynced here, deepest first.
-
-    Example:
-      >>> import tempfile
-      >>> make_dirs(pathlib.Path(tempfile.mkdtemp()) / "a" / "b").is_dir()
-      True
-    """
-    path = pathlib.Path(path)
-    created = []
-    missing = path
-    while not missing.exists():
-        created.append(missing)
-        missing = missing.parent
-    path.mkdir(parents=True, exist_ok=True)
-    for new in created:
-        fsync_dir(new.parent)
-    return path
-
-
-def replace_bytes(path: pathlib.Path, text: bytes, *, fsync: bool) -> None:
-    """Replaces ``path`` by ``text`` atomically (tmp file, rename): readers see all or nothing.
-
-    ``fsync`` makes the data durable before the rename; the rename itself is durable once the
-    directory is fsynced. A file that a later durable write supersedes needs neither.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-    except OSError as e:  # write(2) and fsync(2) errors do not name the file
-        raise OSError(e.errno, e.strerror, str(tmp)) from e
-    os.replace(tmp, path)
-
-
 def _read_json(path: pathlib.Path | KvPath) -> Manifest:
+    """The manifest (or part) at ``path``, parsed and checked once per version of its bytes.
+
+    Every reader of a manifest comes here: the commit check of a listing, garbage collection's
+    callers, a restore, a merge. A file is read whole each time (cheap), and its bytes' digest
+    keys the parse (JSON, records, schema, digest; the expensive part): a file read again with
+    the same bytes is not parsed again, and a file replaced by other bytes is, whatever its
+    timestamps say (a coarse clock could not tell a new manifest from the one it replaced).
+    The outcome is remembered either way, the manifest or the reason it was refused.
+
+    Raises:
+      CheckpointFormatError: no file at ``path``, or it is not a cocijax manifest.
+      OSError: it cannot be read (an I/O error): nothing is remembered.
+    """
     try:
-        text = path.read_text()
-    except FileNotFoundError as e:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raw = None
+    if raw is None:  # a KvPath answers None for a missing object
         raise CheckpointFormatError(
             f"No cocijax manifest at {path}: the checkpoint is incomplete or was not written "
             "by StripedCheckpointHandler."
-        ) from e
+        )
+    key = (str(path), xxhash.xxh3_128_digest(raw))
+    known = _PARSED.get(key)
+    if known is None:
+        try:
+            known = _parse(raw, str(path))
+        except CheckpointFormatError as e:
+            known = str(e)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))  # the oldest: a job reads its newest steps most
+        _PARSED[key] = known
+    if isinstance(known, str):
+        raise CheckpointFormatError(known)
+    return known
+
+
+def _parse(raw: bytes, source: str) -> Manifest:
     try:
-        data = json.loads(text)
+        data = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{path} is not valid JSON: {e}.") from e
+        raise CheckpointFormatError(f"{source} is not valid JSON: {e}.") from None
     except (RecursionError, ValueError) as e:  # nesting too deep; an integer of 4300+ digits
-        raise CheckpointFormatError(f"{path} cannot be a cocijax manifest: {e}.") from e
-    return Manifest.from_json(data, source=str(path))
+        raise CheckpointFormatError(f"{source} cannot be a cocijax manifest: {e}.") from None
+    return Manifest.from_json(data, source=source)
+
+
+# Parsed manifests (or why they were refused) by (path, xxh3_128 of the bytes): see _read_json.
+_PARSED: dict[tuple[str, bytes], Manifest | str] = {}
+_PARSED_MAX = 4096
 
 
 def read_manifest(item_dir: Location, *, root_options: Mapping[str, Any] | None = None) -> Manifest:
@@ -568,41 +554,36 @@ def remove_tree(where: Location, *, root_options: Mapping[str, Any] | None = Non
     if isinstance(where, KvPath):
         where.delete_all()
     else:
-        shutil.rmtree(where, ignore_errors=True)
+        remove_local_tree(where)
 
 
-def _resolved(where: pathlib.Path | KvPath) -> pathlib.Path | KvPath:
-    return where.resolve() if isinstance(where, pathlib.Path) else where
+# A stripe directory's name as a manifest mentions it (in each piece's ``file``): the prefix and a
+# name that is unique for every save (a uuid4), so a name alone identifies one save's stripes.
+_STRIPE_NAME = re.compile(re.escape(STRIPE_PREFIX).encode() + rb'[^/"\\\s]+')
 
 
-def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path | KvPath] | None:
-    """The stripe directories on external roots that an item references, for garbage collection.
+def stripe_names_in_use(item_dir: os.PathLike | str) -> frozenset[str] | None:
+    """The names of the stripe directories an item may reference, for garbage collection.
 
-    The rule for items that cannot be read:
+    Read from the manifest's raw bytes: every stripe name they mention, whether or not the
+    manifest can be parsed, checked or is of a version this cocijax reads. So a damaged or
+    foreign manifest keeps its item's stripes (the item is set aside or deleted as a whole),
+    and no manifest is ever trusted by a timestamp or a cache: a name is a uuid4, never reused.
 
-    * no manifest (a save that never committed; checked twice, so that an ``open`` failing
-      with ENOENT is not taken for it), or one that is not JSON (a torn write): the item
-      references nothing, so its stripes are garbage;
-    * a manifest that is JSON but cannot be interpreted (say, a newer format), or that cannot
-      be read (an I/O error): ``None``, "unknown"; a collector must then remove nothing, since
-      any stripe might be that item's data.
-
-    A committed manifest never changes, so answers are cached per manifest version (path,
-    modification time and size).
+    * No manifest (a save that never committed; checked twice, so that an ``open`` failing
+      with ENOENT is not taken for it): the item references nothing, its stripes are garbage.
+    * A manifest that cannot be read (an I/O error): ``None``, "unknown"; a collector must
+      then remove nothing now and try again later.
 
     Args:
       item_dir: an Orbax item directory the striped handler saved into (or began to).
 
     Returns:
-      Resolved stripe directories, empty for an uncommitted item, or None when unknown.
+      Stripe directory names (``cocijax-stripe-...``), or None when unknown.
     """
     manifest = pathlib.Path(item_dir) / MANIFEST_NAME
     try:
-        st = manifest.stat()
-        key = (str(manifest), st.st_mtime_ns, st.st_size)
-        if key in _STRIPES_IN_USE:
-            return _STRIPES_IN_USE[key]
-        data = json.loads(manifest.read_text())
+        data = manifest.read_bytes()
     except FileNotFoundError:
         # Never committed, so its stripes are garbage, but only if the manifest is really not
         # there: an open failing with ENOENT on an existing file (an I/O fault; libfiu injects
@@ -611,31 +592,10 @@ def stripes_in_use(item_dir: os.PathLike | str) -> frozenset[pathlib.Path | KvPa
             log.warning("cannot open %s: keeping every stripe for now", manifest)
             return None
         return frozenset()
-    except json.JSONDecodeError:
-        return frozenset()  # torn: never committed, its stripes are garbage
     except OSError as e:
         log.warning("cannot read %s (%s): keeping every stripe for now", manifest, e)
-        return None  # an I/O error may pass: not remembered
-    except (RecursionError, ValueError) as e:  # nesting too deep, an integer of 4300+ digits
-        log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
         return None
-    try:
-        parsed = Manifest.from_json(data, source=str(manifest))
-        refs: frozenset[pathlib.Path | KvPath] | None = frozenset(
-            _resolved(d) for d in _stripe_dirs(parsed)
-        )
-    except (ValueError, IndexError, TypeError) as e:
-        log.warning("cannot interpret %s (%s): keeping every stripe", manifest, e)
-        refs = None
-    if len(_STRIPES_IN_USE) >= 4096:
-        _STRIPES_IN_USE.clear()
-    _STRIPES_IN_USE[key] = refs
-    return refs
-
-
-# Answers of stripes_in_use per manifest version (path, mtime, size): a manifest is written once
-# (atomically renamed into place), so its answer never changes.
-_STRIPES_IN_USE: dict[tuple[str, int, int], frozenset[pathlib.Path | KvPath] | None] = {}
+    return frozenset(m.decode(errors="replace") for m in _STRIPE_NAME.findall(data))
 
 
 def unreferenced_stripe_dirs(
@@ -646,15 +606,19 @@ def unreferenced_stripe_dirs(
 ) -> list[pathlib.Path | KvPath] | None:
     """Stripe directories on ``roots`` that none of ``item_dirs`` references: garbage.
 
+    A stripe directory is referenced when an item's manifest names it (see
+    :func:`stripe_names_in_use`): its name is unique to the save that wrote it, so the same
+    directory reached through another spelling of a root is still recognised.
+
     Args:
       roots: the directories or object-store prefixes saves striped into (a handler's
         ``roots``).
-      item_dirs: every item that may reference stripes on them, committed or not.
+      item_dirs: every item that may reference stripes on them, committed, damaged or not.
       root_options: kvstore options for object-store roots given as URLs.
 
     Returns:
       The unreferenced stripe directories, sorted; ``None`` when an item's references cannot
-      be known (see :func:`stripes_in_use`), in which case nothing may be removed.
+      be known now (an I/O error reading its manifest), in which case nothing may be removed.
 
     Example:
       >>> import tempfile
@@ -663,17 +627,17 @@ def unreferenced_stripe_dirs(
       >>> [p.name for p in unreferenced_stripe_dirs([root], [])]
       ['cocijax-stripe-left-by-a-crash']
     """
-    referenced: set[pathlib.Path | KvPath] = set()
+    referenced: set[str] = set()
     for item_dir in item_dirs:
-        refs = stripes_in_use(item_dir)
-        if refs is None:
+        names = stripe_names_in_use(item_dir)
+        if names is None:
             return None
-        referenced |= refs
+        referenced |= names
     return [
         d
         for root in roots
         for d in find_stripe_dirs(root, root_options=root_options)
-        if _resolved(d) not in referenced
+        if d.name not in referenced
     ]
 
 

@@ -121,11 +121,12 @@ class CheckpointManager:
 
     **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
     (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
-    says, waits until it is committed, returns True and sets :attr:`reached_preemption`: leave
-    the loop then. With several ranks a signal to any one of them is enough: the ranks gather
-    their flags at the first step and then about once per second of rank 0's step time, and
-    all save at the first such step after the signal. The previous handlers are back after
-    :meth:`close`.
+    says and waits until it is committed; then, by default, the signal ends the process as it
+    would have without cocijax (``exit_on_preemption=False``: ``save`` returns True and sets
+    :attr:`reached_preemption`: leave the loop then). With several ranks a signal to any one
+    of them is enough: the ranks gather their flags at the first step and then about once per
+    second of rank 0's step time, and all save at the first such step after the signal. The
+    previous handlers are back after :meth:`close`.
 
     **Several ranks.** Initialise the process group (``torch.distributed.init_process_group``)
     before opening the manager; then opening, ``save``, ``restore`` and ``close`` are
@@ -149,6 +150,9 @@ class CheckpointManager:
         0 ranks every step, the newest too).
       preemption_signals: the signals that announce a preemption (default SIGTERM); ``()``
         turns preemption saves off.
+      exit_on_preemption: once the preemption save has committed, close the managers and let
+        the signal end the process as it would have without cocijax (as for the JAX manager);
+        ``False``: ``save`` returns True and sets :attr:`reached_preemption`.
       use_async: write in the background with ``dcp.async_save`` (default); ``False`` writes
         and commits inside ``save``.
       prior_mtbf_s: the MTBF the learned estimate starts from (as for the JAX manager).
@@ -191,6 +195,7 @@ class CheckpointManager:
         best_mode: str = "max",
         keep_latest: int = 1,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        exit_on_preemption: bool = True,
         use_async: bool = True,
         prior_mtbf_s: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -204,6 +209,8 @@ class CheckpointManager:
                 best_fn, best_mode=best_mode, max_to_keep=max_to_keep, keep_latest=keep_latest
             )
         signals = check_signals(preemption_signals)
+        if not isinstance(exit_on_preemption, bool):
+            raise TypeError(f"exit_on_preemption: expected a bool, got {exit_on_preemption!r}.")
         make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
         self._dir = Path(directory)
         self._ranks = Ranks()
@@ -239,8 +246,9 @@ class CheckpointManager:
             signals,
             owner=str(self._dir),
             allgather=self._ranks.allgather if self._ranks.world > 1 else None,
+            exit_on_preemption=exit_on_preemption,
         )
-        self._preemption.install()
+        self._preemption.install(on_end=self.close)
 
     def _open_directory(self) -> tuple[list[int], str, dict | None]:
         """Rank 0: locks the directory, removes leftovers, lists the steps."""
@@ -368,6 +376,7 @@ class CheckpointManager:
             self.wait_until_finished()
             self._reached_preemption = True
             log.info("%s: preemption signal: step %d saved and committed", self._dir, step)
+            self._preemption.end_job()  # by default the process ends here, as it would have
         return True
 
     def _save(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import threading
@@ -18,9 +19,9 @@ import pytest
 from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.path
 
 import cocijax as cj
-from cocijax import storage
+from cocijax import _files, storage
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _direct
+from cocijax.storage import _manifest
 
 
 def small_state(seed: int = 0):
@@ -86,32 +87,38 @@ def test_restore_is_bit_exact_with_external_roots(tmp_path):
 
 
 @pytest.mark.parametrize("read_only", [False, True])
-def test_open_and_restore_do_not_check_a_manifest_again_and_again(tmp_path, monkeypatch, read_only):
-    # Each check parses, validates and hashes the whole manifest (~20 ms for 1024 leaves).
-    # Orbax looks a step up twice per restore and the manager restores two items (the state
-    # and, for a writer, the policy state): 4 checks per restore of a writer, 2 of a reader.
-    # Opening a manager with 3 steps checked them 14 times.
+def test_opening_and_restoring_parse_each_manifest_once(tmp_path, monkeypatch, read_only):
+    # Each parse decodes, validates and hashes the whole manifest (~20 ms for 1024 leaves).
+    # Orbax looks a step up twice per restore, the manager restores two items and Orbax's
+    # threads read each step's metrics: opening a manager with 3 steps parsed them 14 times.
     state = small_state(2)
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as m:
         m.save(1, state, loss=1.0)
         m.save(2, state, loss=1.0)
-    checked = []
-    read_manifest = storage.read_manifest
+    parsed = []
+    parse = _manifest._parse
     monkeypatch.setattr(
-        storage,
-        "read_manifest",
-        lambda item: checked.append(item.parent.name) or read_manifest(item),
+        _manifest,
+        "_parse",
+        lambda raw, source: parsed.append(Path(source).parts[-3]) or parse(raw, source),
     )
+    monkeypatch.setattr(_manifest, "_PARSED", {})  # as in a new process
     options = ocp.CheckpointManagerOptions(read_only=read_only)
     with cj.CheckpointManager(tmp_path / "ck", options=options, policy=cj.policies.fixed(1)) as m:
-        # Opening: once by the manager, once more by Orbax's threads reading each metrics.
-        assert sorted(checked) == ["1", "1", "2", "2"]
-        checked.clear()
+        assert sorted(parsed) == ["1", "2"]  # each manifest once, however often it is read
         assert_trees_bit_equal(m.restore(1, target=abstract(state)), state)
-        assert checked == ["1"]
-        checked.clear()
         assert_trees_bit_equal(m.restore(target=abstract(state)), state)
-        assert checked == ["2"]
+        assert sorted(parsed) == ["1", "2"]
+    # A manifest replaced by other bytes is parsed again, whatever its timestamps say.
+    manifest = tmp_path / "ck" / "2" / "state" / storage.MANIFEST_NAME
+    stat = manifest.stat()
+    data = json.loads(manifest.read_bytes())
+    data["digest"] = "0" * len(str(data.get("digest", "")))  # same length, other bytes
+    manifest.write_bytes(json.dumps(data, separators=(",", ":")).encode())
+    os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(storage.CheckpointFormatError, match="digest"):
+        storage.read_manifest(manifest.parent)
+    assert sorted(parsed) == ["1", "2", "2"]
 
 
 def test_measures_step_time_cost_and_reads_loss_one_step_late(tmp_path):
@@ -441,24 +448,42 @@ def test_synchronous_saves_commit_and_restore(tmp_path):
         assert mngr.measurements.last_save_s > 0
 
 
-def test_gc_keeps_every_stripe_while_a_manifest_cannot_be_interpreted(tmp_path):
+def test_a_manifest_that_cannot_be_interpreted_is_set_aside_and_gc_goes_on(tmp_path):
+    # Before: one such manifest stopped garbage collection for good (13 stripe folders where
+    # 4 were needed after 10 more saves with max_to_keep=3), and its step was never deleted.
     roots = [tmp_path / "r0"]
     ck = tmp_path / "ck"
     with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1)) as mngr:
         mngr.save(1, small_state(1), loss=1.0)
         mngr.save(2, small_state(2), loss=1.0)
         mngr.wait_until_finished()
-        before = stripes(roots[0])
+        damaged = referenced_by(mngr, 1)
         manifest = mngr.item_directory(1) / storage.MANIFEST_NAME
     # What a newer cocijax might write: valid JSON that this version cannot interpret.
     data = json.loads(manifest.read_text())
     data["version"] += 1
     manifest.write_text(json.dumps(data))
-    orphan = next(iter(before)).parent / f"{storage.STRIPE_PREFIX}orphan"
+    orphan = next(iter(damaged)).parent / f"{storage.STRIPE_PREFIX}orphan"
     orphan.mkdir()
-    with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1)) as mngr:
+    with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1), max_to_keep=2) as mngr:
         assert mngr.all_steps() == [2]
-        assert before | {orphan.resolve()} == stripes(roots[0])  # nothing removed, not even it
+        (aside,) = (ck / ".cocijax-quarantine").iterdir()
+        assert (aside / "state" / storage.MANIFEST_NAME).read_bytes() == manifest_bytes(data)
+        assert "version 2" in (aside / "cocijax-quarantine.txt").read_text()
+        for step in range(3, 9):
+            mngr.save(step, small_state(step), loss=1.0)
+        mngr.wait_until_finished()
+        # The damaged step's stripes stay with it; the orphan and dropped steps' go.
+        assert stripes(roots[0]) == referenced(mngr) | damaged
+        assert mngr.all_steps() == [7, 8]
+
+
+def manifest_bytes(data) -> bytes:
+    return json.dumps(data).encode()
+
+
+def referenced_by(mngr: cj.CheckpointManager, step: int) -> set[Path]:
+    return {p.resolve() for p in storage.referenced_stripe_dirs(mngr.item_directory(step))}
 
 
 def test_restore_falls_back_to_the_newest_intact_step(tmp_path):
@@ -500,8 +525,8 @@ def test_keep_period_is_orbax_s_and_gc_keeps_what_it_keeps(tmp_path):
 def test_a_save_in_flight_is_not_listed_or_done_until_committed(tmp_path, monkeypatch):
     # The save is held in its commit (at the fsync of its files) until the test lets it go.
     release = threading.Event()
-    fsync_file = _direct.fsync_file
-    monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
+    fsync_file = _files.fsync_file
+    monkeypatch.setattr(_files, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     state = {"w": np.ones((4, 1 << 18), np.float32)}
     with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(1)) as mngr:
         assert not mngr.is_saving_in_progress()

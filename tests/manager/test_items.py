@@ -16,8 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cocijax as cj
-from cocijax import storage
-from cocijax.storage import _direct
+from cocijax import _files, storage
 
 
 def state_of(seed: int = 0):
@@ -99,8 +98,8 @@ def test_extra_items_of_every_orbax_kind_are_saved_with_the_step_and_restored(tm
 def test_extra_items_commit_with_the_state_in_one_step_directory(tmp_path, monkeypatch):
     # The state's write is held before its commit: no item of the step may be visible yet.
     release = threading.Event()
-    fsync_file = _direct.fsync_file
-    monkeypatch.setattr(_direct, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
+    fsync_file = _files.fsync_file
+    monkeypatch.setattr(_files, "fsync_file", lambda f: (release.wait(60), fsync_file(f)))
     with cj.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr:
         try:
             assert mngr.save(1, state_of(), loss=1.0, extra={"config": ocp.args.JsonSave({})})

@@ -69,6 +69,7 @@ def test_a_preemption_save_is_kept_even_when_no_newest_step_is(tmp_path):
         max_to_keep=1,
         keep_latest=0,
         preemption_signals=(signal.SIGUSR1,),
+        exit_on_preemption=False,  # SIGUSR1's default action would end the test's process
     ) as mngr:
         for step in (1, 2):
             mngr.save(step, {"w": jnp.ones(2)}, loss=1.0, metrics={"acc": 0.9 - step / 10})

@@ -153,7 +153,9 @@ def test_best_n_retention_deletes_a_step_locally_only_after_its_drain(tmp_path, 
 def test_a_preemption_save_is_drained_whatever_durable_every(tmp_path, s3):
     durable = (s3.url("run"), s3.options, s3)
     policy = cj.policies.fixed(10**6)
-    with _manager(tmp_path, durable, policy=policy, durable_every=100) as mngr:
+    with _manager(
+        tmp_path, durable, policy=policy, durable_every=100, exit_on_preemption=False
+    ) as mngr:
         assert mngr.save(1, _state(1), loss=1.0, force=True)  # the 1st of 100: not drained
         os.kill(os.getpid(), signal.SIGTERM)
         assert mngr.save(2, _state(2), loss=1.0) and mngr.reached_preemption

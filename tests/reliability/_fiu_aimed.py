@@ -38,7 +38,6 @@ def gc_open_enoent(base: Path, fiu: Fiu) -> dict[str, Any]:
         mngr.wait_until_finished()
         items = [mngr.item_directory(s) for s in mngr.all_steps()]
         stripe_roots = mngr.stripe_roots
-    _manifest._STRIPES_IN_USE.clear()  # the answers this process cached: read the manifests
     fiu.fail("posix/io/oc/open", errno.ENOENT)
     try:
         garbage = storage.unreferenced_stripe_dirs(stripe_roots, items)

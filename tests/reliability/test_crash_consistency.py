@@ -64,7 +64,7 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
     ),
     # The fsyncs of the piece files, then of their directories.
     "fsync": (
-        ["cocijax.storage._direct:fsync_file", "cocijax.storage._manifest:fsync_dir"],
+        ["cocijax._files:fsync_file", "cocijax._files:fsync_dir"],
         (1, 6),
         (0.0, 0.002),
     ),
