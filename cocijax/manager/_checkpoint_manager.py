@@ -41,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cocijax import storage
+from cocijax._files import move_aside
 from cocijax.manager._contract import (
     MEASUREMENTS,
     POLICY_STATE,
@@ -53,6 +54,7 @@ from cocijax.manager._directory import (
     METRICS_ITEM,
     POLICY_ITEM,
     STATE_ITEM,
+    TRASH_DIR,
     check_extra,
     check_layout,
     checked_once,
@@ -72,6 +74,7 @@ from cocijax.manager._identity import (
     read_identity,
 )
 from cocijax.manager._lock import DirectoryLock
+from cocijax.manager._orbax_steps import OrbaxStep, restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
@@ -170,6 +173,9 @@ class CheckpointManager:
         committed step is never deleted.
       durable_options: TensorStore kvstore options for an object-store ``durable``, e.g.
         ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}``.
+      orbax_retention: steps that Orbax's own ``CheckpointManager`` wrote in ``directory``
+        (a job switching to cocijax) count in ``max_to_keep``: the oldest are deleted as new
+        steps are saved. Default: they are listed and restored, never deleted.
 
     Raises:
       ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
@@ -215,6 +221,7 @@ class CheckpointManager:
         durable_every: int = 1,
         durable_max_to_keep: int | None = None,
         durable_options: dict[str, Any] | None = None,
+        orbax_retention: bool = False,
     ):
         age = process_age_s()
         if not isinstance(directory, str | os.PathLike):
@@ -231,6 +238,7 @@ class CheckpointManager:
         self._lock: DirectoryLock | None = None
         self._history: RunHistory | None = None
         self._committed: set[int] = set()
+        self._orbax_steps: dict[int, OrbaxStep] = {}  # steps Orbax's own manager wrote
         self._save_started = False
         options = merge_options(
             options,
@@ -239,6 +247,10 @@ class CheckpointManager:
             preservation_policy=preservation_policy,
         )
         orbax_options, best = split_best(options, best_fn=best_fn, best_mode=best_mode)
+        if not isinstance(orbax_retention, bool):
+            raise TypeError(f"orbax_retention: expected a bool, got {orbax_retention!r}.")
+        # How many steps to keep, counting those Orbax wrote (None: Orbax's steps are kept).
+        self._orbax_retention = options.max_to_keep if orbax_retention else None
         self._best = None
         if best is not None:
             self._best = BestN(
@@ -285,13 +297,20 @@ class CheckpointManager:
             self._lock = DirectoryLock(self._directory)
             self._lock.acquire()
         try:
-            damaged = check_layout(self._directory)
-            if self._lock is not None:
-                for entry, problem in damaged:
+            layout = check_layout(self._directory)
+            for entry, problem in layout.damaged:
+                if self._lock is not None:
                     quarantine(entry, problem)
-            else:
-                for entry, problem in damaged:
+                else:
                     log.warning("%s is not listed: %s", entry, problem)
+            self._orbax_steps = layout.orbax
+            if self._orbax_steps:
+                log.info(
+                    "%s holds steps written by Orbax's CheckpointManager (%s): listed and "
+                    "restored through Orbax's handlers; new steps are saved in cocijax's format",
+                    self._directory,
+                    sorted(self._orbax_steps),
+                )
             namespace = self._namespace(options.multiprocessing_options.primary_host)
             if namespace is not None:
                 self._stripe_roots = tuple(root / namespace for root in self._roots)
@@ -333,6 +352,7 @@ class CheckpointManager:
             self._history.adopt(None)
             if latest is not None:
                 where = "local" if latest in self._local_steps() else "durable"
+                where = "orbax" if latest in self._orbax_steps else where
                 self._load_policy(latest, history=True, where=where)
             self._latest_saved = latest
         except BaseException:
@@ -428,7 +448,7 @@ class CheckpointManager:
         another process, whose new steps Orbax's cached listing would not show.
         """
         durable = self._durable.steps() if self._durable is not None else []
-        return sorted(set(self._local_steps()) | set(durable))
+        return sorted(set(self._local_steps()) | set(durable) | set(self._orbax_steps))
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""
@@ -591,7 +611,13 @@ class CheckpointManager:
             ready.set()
 
     def _apply_retention(self) -> None:
-        """Deletes the committed steps best-N does not keep (every process, same decision)."""
+        """Deletes the committed steps best-N does not keep (every process, same decision), and
+        with ``orbax_retention`` the oldest steps Orbax wrote beyond ``max_to_keep``."""
+        if self._orbax_retention is not None and self._lock is not None:
+            over = len(self._local_steps()) + len(self._orbax_steps) - self._orbax_retention
+            for step in sorted(self._orbax_steps)[: max(over, 0)]:
+                log.info("%s: deleting step %d, written by Orbax", self._directory, step)
+                self._drop_orbax_step(step)
         if self._best is None or self._read_only:
             return
         steps = self._local_steps()
@@ -803,14 +829,15 @@ class CheckpointManager:
     def _copies(
         self, step: int | None, tier: str | None, *, fallback: bool
     ) -> list[tuple[int, str]]:
-        """The copies ``restore`` tries in turn: ``(step, "local" | "durable")``."""
+        """The copies ``restore`` tries in turn: ``(step, "local" | "orbax" | "durable")``."""
         if tier not in (None, "local", "durable"):
             raise ValueError(f"restore: tier must be None, 'local' or 'durable', got {tier!r}.")
         if tier == "durable" and self._durable is None:
             raise ValueError("restore: tier='durable', but this manager has no durable tier.")
         local = self._local_steps() if tier != "durable" else []
+        orbax = list(self._orbax_steps) if tier != "durable" else []
         durable = self._durable.steps() if self._durable is not None and tier != "local" else []
-        steps = sorted(set(local) | set(durable))
+        steps = sorted(set(local) | set(orbax) | set(durable))
         where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
         if step is None:
             if not steps:
@@ -822,15 +849,20 @@ class CheckpointManager:
                 f"{steps}{f'; on the durable tier: {durable}' if durable else ''})."
             )
         order = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
-        copies = [
-            (s, t) for s in order for t, ts in (("local", local), ("durable", durable)) if s in ts
-        ]
+        tiers = (("local", local), ("orbax", orbax), ("durable", durable))
+        copies = [(s, t) for s in order for t, ts in tiers if s in ts]
         return copies if fallback else copies[:1]
 
     def _restore_items(self, step: int, where: str, items: dict[str, Any]) -> Any:
         """Orbax's restore of ``items`` from the local or the durable copy of ``step``."""
         if where == "local":
             return self.orbax.restore(step, args=ocp.args.Composite(**items))
+        if where == "orbax":
+            state = items.get(STATE_ITEM, storage.StripedRestore())
+            extra = {k: v for k, v in items.items() if k != STATE_ITEM}
+            return restore_orbax_step(
+                self._orbax_steps[step], state.item, extra, partial=state.partial
+            )
         return self._durable.restore(step, items)
 
     def _load_policy(self, step: int, *, history: bool = False, where: str = "local") -> None:
@@ -841,6 +873,10 @@ class CheckpointManager:
         """
         if self._read_only:
             return  # a reader never saves: the schedule is of no use to it
+        if where == "orbax":
+            log.info("step %d was written by Orbax: the policy starts its schedule there", step)
+            self._driver.step = step  # the next call must be after it
+            return
         copy = where
         where = self._directory / self._name_format.build_name(step) / POLICY_ITEM
         if copy == "durable":
@@ -862,6 +898,8 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Deletes a committed step and, with external roots, its stripes (on both tiers).
 
+        A step written by Orbax's own manager is deleted too (moved to the trash, then removed).
+
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: ``step`` is not a committed step.
@@ -880,9 +918,17 @@ class CheckpointManager:
                 self._durable.delete(step)
         if step in self._local_steps():
             self.orbax.delete(step)
+        if step in self._orbax_steps:
+            self._drop_orbax_step(step)
         self._committed.discard(step)
         self._latest_saved = self.latest_step()
         self._collect_garbage()
+
+    def _drop_orbax_step(self, step: int) -> None:
+        """Moves a step Orbax wrote to the trash (emptied by the next garbage collection)."""
+        if self._lock is not None:
+            move_aside(self._orbax_steps[step].path, self._directory / TRASH_DIR)
+        del self._orbax_steps[step]
 
     def wait_until_finished(self, *, durable: bool = False) -> None:
         """Blocks until the running save is committed (re-raises its error), then collects.

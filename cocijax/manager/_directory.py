@@ -26,6 +26,7 @@ from etils import epath
 from cocijax import storage
 from cocijax.manager._contract import check_extra_names
 from cocijax.manager._durable import DurableRenameTemporaryPath
+from cocijax.manager._orbax_steps import OrbaxStep, find_orbax_step
 
 __all__ = [
     "METRICS_ITEM",
@@ -35,6 +36,7 @@ __all__ = [
     "STEP_RE",
     "TRASH_DIR",
     "CommittedStepFormat",
+    "Layout",
     "check_extra",
     "check_layout",
     "checked_once",
@@ -192,40 +194,58 @@ class _NoSuchStep(FileNotFoundError, ValueError):
     """
 
 
-def check_layout(directory: Path) -> list[tuple[Path, str]]:
-    """Raises if ``directory`` holds something cocijax did not write; returns damaged steps.
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What :func:`check_layout` found besides committed cocijax steps.
 
-    Allowed: step directories holding a ``state`` item, Orbax temporary directories, and hidden
-    entries (our lock, identity, trash, quarantine and, when ``directory`` is also a root, its
-    stripe folder). An entry that vanishes while it is looked at was deleted by a writer: it is
-    skipped.
-
-    Returns:
-      ``(step directory, what is wrong)`` for each step that cannot be listed: no valid
-      manifest (never committed, or damaged since), or Orbax metadata that cannot be read.
+    Attributes:
+      damaged: ``(step directory, what is wrong)`` for each cocijax step that cannot be listed:
+        no valid manifest (never committed, or damaged since), or unreadable Orbax metadata.
+      orbax: steps written by Orbax's own ``CheckpointManager``, by step number.
     """
-    damaged = []
+
+    damaged: list[tuple[Path, str]]
+    orbax: dict[int, OrbaxStep]
+
+
+def check_layout(directory: Path) -> Layout:
+    """Raises if ``directory`` holds something cocijax cannot read; says what else it holds.
+
+    Allowed: cocijax step directories, steps written by Orbax's ``CheckpointManager`` (see
+    ``_orbax_steps``), Orbax temporary directories, and hidden entries (our lock, identity,
+    trash, quarantine and, when ``directory`` is also a root, its stripe folder). An entry that
+    vanishes while it is looked at was deleted by a writer: it is skipped.
+    """
+    layout = Layout(damaged=[], orbax={})
     for entry in sorted(directory.iterdir()):
         name = entry.name
         if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
-            if not (entry / STATE_ITEM).is_dir() and entry.exists():
-                raise ValueError(
-                    f"directory: {entry} looks like a checkpoint step but has no '{STATE_ITEM}' "
-                    "item; it was not written by cocijax. Use an empty or cocijax-only directory."
-                )
             problem = step_problem(entry)
-            if problem is not None and entry.exists():
-                damaged.append((entry, problem))
+            if problem is None:
+                continue
+            orbax = find_orbax_step(entry)
+            if orbax is not None:
+                layout.orbax[int(name)] = orbax
+            elif (entry / STATE_ITEM).is_dir():
+                if entry.exists():
+                    layout.damaged.append((entry, problem))
+            elif entry.exists():
+                raise ValueError(
+                    f"directory: {entry} looks like a checkpoint step but has neither a "
+                    f"'{STATE_ITEM}' item of cocijax's nor Orbax's metadata naming its items "
+                    "(_CHECKPOINT_METADATA); it was written by neither. Use an empty, cocijax "
+                    "or Orbax CheckpointManager directory."
+                )
             continue
         if not os.path.lexists(entry):
             continue
         raise ValueError(
             f"directory: {entry} was not written by cocijax (expected only step directories). "
-            "Use an empty or cocijax-only directory."
+            "Use an empty, cocijax or Orbax CheckpointManager directory."
         )
-    return damaged
+    return layout
 
 
 def step_problem(step_dir: Path) -> str | None:
