@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +40,7 @@ __all__ = [
     "checked_once",
     "is_committed",
     "merge_options",
+    "orbax_reader_notice_dropped",
     "split_best",
 ]
 
@@ -252,9 +254,32 @@ def merge_options(
         temporary_path_class=options.temporary_path_class or DurableRenameTemporaryPath,
         step_name_format=CommittedStepFormat(),
         cleanup_tmp_directories=not options.read_only,
-        todelete_subdir=TRASH_DIR,
+        # A reader deletes nothing: Orbax would drop the trash itself, with a warning.
+        todelete_subdir=None if options.read_only else TRASH_DIR,
         create=not options.read_only,
     )
+
+
+class _ReaderNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only=")
+
+
+@contextlib.contextmanager
+def orbax_reader_notice_dropped() -> Iterator[None]:
+    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
+
+    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
+    it describes what the user asked for and asks nothing of them. Only that message is dropped,
+    only while a manager opens.
+    """
+    quiet = _ReaderNotice()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
 
 
 def split_best(
