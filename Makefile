@@ -40,7 +40,8 @@ systools:
 	@missing=""; for t in $(SYSTOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing $(SYSTOOLS_DEB) with apt-get (missing:$$missing): the power-loss and I/O-error tests need them"; \
+	  echo "systools: running apt-get update and apt-get install $(SYSTOOLS_DEB) as root (missing:$$missing):"; \
+	  echo "  the power-loss and I/O-error tests need them (install them beforehand, or run as non-root to skip those tests)"; \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTOOLS_DEB) >/dev/null; } \
 	    || echo "apt-get could not install $(SYSTOOLS_DEB): the tests that need them will skip (and fail under CI)"; \
 	else \

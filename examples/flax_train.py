@@ -238,8 +238,13 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = next(data)
                 state, loss = train_step(state, x, y)
                 saved = mngr.save(step, state, loss=loss, extra=extra)
+                saves += saved
+                # At each save too, redrawn before its line is printed (the bar is drawn again
+                # below it as it was last drawn): the bar counts the "saved" lines above it.
+                if saved or step % 50 == 0 or step == args.steps:
+                    info = f"loss {float(loss):.4f}  saves {saves}"
+                    progress.update(task, completed=step, info=info, refresh=saved)
                 if saved:
-                    saves += 1
                     m = mngr.measurements
                     progress.console.print(
                         f"step {step:>6}: saved  (policy saw: step {ms(m.step_time_s, 1)},"
@@ -255,10 +260,6 @@ def main(argv: list[str] | None = None) -> int:
                     mngr.wait_until_finished()
                     console.file.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
-                if step % 50 == 0 or step == args.steps:
-                    progress.update(
-                        task, completed=step, info=f"loss {float(loss):.4f}  saves {saves}"
-                    )
         if preempted is not None:
             console.print(f"preempted: step {preempted} saved; run the same command to resume")
             return 0

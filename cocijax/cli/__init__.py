@@ -92,17 +92,21 @@ def _number(rule: _validate.Rule):
 
 
 def _bare_seconds_hint(argv: list[str]) -> None:
-    """Notes on stderr that a unitless duration is seconds (``--mtbf 4`` is 4 s, not 4 h)."""
+    """Notes on stderr that a unitless duration is seconds (``--mtbf 4`` is 4 s, not 4 h).
+
+    A bare number is accepted: the note shows how it was read, so that ``--mtbf 4`` meant as
+    hours is caught while ``--mtbf 14400`` is confirmed as 4 h.
+    """
     for i, arg in enumerate(argv):
         name, _, value = arg.partition("=")
-        if name in _DURATION_OPTIONS:
-            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
-            if re.fullmatch(r"\s*\d+(\.\d*)?\s*", value):
-                print(
-                    f"cocijax: note: {name} {value.strip()} has no unit: it is read as seconds "
-                    f"(write e.g. {value.strip()}h or {value.strip()}min otherwise)",
-                    file=sys.stderr,
-                )
+        value = (value or (argv[i + 1] if i + 1 < len(argv) else "")).strip()
+        if name in _DURATION_OPTIONS and re.fullmatch(r"\d+(\.\d*)?", value):
+            shown = _units.format_duration(float(value))
+            same = "" if shown == f"{value}s" else f" = {shown}"
+            print(
+                f"cocijax: note: {name} {value} has no unit: read as {value} seconds{same}",
+                file=sys.stderr,
+            )
 
 
 def _join_negative_durations(argv: list[str]) -> list[str]:
@@ -181,8 +185,9 @@ def _add_plan(sub) -> None:
         description=(
             "Runs each policy over a step,loss CSV (one row = one training step of --step-time; "
             "empty cells and NaN are missing values), simulates its expected overhead under "
-            "failures and shows the exact optimum in hindsight. Durations accept 4h, 90min, "
-            "1h30m, 20s, 1.5s, 250ms; a bare number is seconds."
+            "failures (wall, and weighted by the loss progress redone) and shows the schedule "
+            "of least weighted overhead in hindsight. Durations accept 4h, 90min, 1h30m, 20s, "
+            "1.5s, 250ms; a bare number is seconds (a note on stderr says how it was read)."
         ),
     )
     p.add_argument("losses", metavar="LOSSES.csv", help="CSV with a header and step,loss columns")

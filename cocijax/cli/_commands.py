@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib.util
@@ -10,6 +11,7 @@ import inspect
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,10 +61,16 @@ def read_losses(path: str | Path) -> LossHistory:
     Empty cells and ``nan`` are missing values (NaN). Without a ``step`` column rows count 1, 2, ...
 
     Raises:
-      CliError: (status 2) when the file is missing, is not text, has no ``loss`` column, no
-        rows, or a cell that is not a number; the message names the file (and line).
+      CliError: (status 2) when the file is missing or a directory, is not text, has no
+        ``loss`` column, no rows, or a cell that is not a number; the message names the file
+        (and line).
     """
     path = Path(path)
+    if path.is_dir():
+        raise CliError(
+            f"{path} is a directory: plan expects a CSV file of losses (a header with a 'loss' "
+            "column); 'cocijax ls' and 'cocijax verify' take checkpoint directories"
+        )
     if not path.is_file():
         raise CliError(f"no such file: {path}")
     try:
@@ -116,7 +124,15 @@ class PlanRow(NamedTuple):
     finished: float  # fraction of simulated jobs that finished (see cj.sim.SimResult)
 
 
-OPTIMAL = "optimal, in hindsight"
+OPTIMAL = "hindsight optimum (weighted)"
+# What the columns of the plan table mean, and what the hindsight optimum minimises: it can
+# lose more wall time than a policy, which looks wrong unless said (found by a user review).
+LEGEND = (
+    "wall overhead: expected time lost to saves, redone steps and restarts (share of the job)",
+    "weighted overhead: the same, each redone step weighted by the loss progress it made (mean 1)",
+    "hindsight optimum: least weighted overhead, knowing the whole curve; its wall overhead may "
+    "be higher",
+)
 
 
 def plan_policies(history: LossHistory, names, args: argparse.Namespace) -> list[PlanRow]:
@@ -225,6 +241,8 @@ def plan(args: argparse.Namespace) -> int:
                 weighted = f"[bold]{weighted}[/bold]"
         table.add_row(r.policy, str(k), interval, wall, weighted)
     out.print(table)
+    legend = LEGEND if any(r.policy == OPTIMAL for r in rows) else LEGEND[:2]
+    out.print("\n".join(legend), markup=False)
     if any(r.finished < 1.0 for r in rows):
         out.print(
             "A schedule that cannot finish needs about exp(segment / MTBF) restarts per "
@@ -462,9 +480,47 @@ def _status(problems: list | None) -> str:
     return "[green]ok[/green]"
 
 
-def ls(args: argparse.Namespace) -> int:
+class _DeletedMeanwhile(Exception):
+    """The step's writer deleted it while it was being read (see :func:`_reading`)."""
+
+
+@contextlib.contextmanager
+def _reading(step: StepDir) -> Iterator[None]:
+    """Turns a file of ``step`` missing while the block reads it into :class:`_DeletedMeanwhile`
+    when the step's directory is gone too (else the error stands: damage).
+
+    A writer renames a step away before it removes any of its data (Orbax's trash, and
+    ``cocijax.torch``'s): a file missing from a step whose directory is gone means the step was
+    deleted during the read, not that it is damaged.
+    """
+    try:
+        yield
+    except FileNotFoundError:
+        if step.path.exists():
+            raise
+        raise _DeletedMeanwhile from None
+
+
+def _problems(step: StepDir, options: dict[str, str] | None) -> list:
+    """The checksum problems of a JAX step (or of an item directory given directly).
+
+    Raises:
+      _DeletedMeanwhile: the step was deleted by its writer while it was verified.
+    """
     from cocijax import storage
 
+    item = step.path if step.kind == "item" else _item(step)
+    problems = storage.verify(item, root_options=options)  # a missing file is a problem
+    if problems and not step.path.exists():
+        raise _DeletedMeanwhile  # see _reading
+    return problems
+
+
+def _skipped(where: str, doing: str) -> None:
+    print(f"{where}: deleted while it was {doing} (by its writer); skipped", flush=True)
+
+
+def ls(args: argparse.Namespace) -> int:
     if (root := _durable_root(args)) is not None:
         return _ls_durable(args, root)
     steps = find_steps(args.directory)
@@ -474,22 +530,30 @@ def ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = _step_table(str(args.directory))
     damaged = False
+    deleted = []
     options = _root_options(args)
     with _progress() as progress:
         task = progress.add_task("reading", total=len(steps))
         for st in steps:
-            if args.no_verify:
-                status = "-"
-            elif st.kind == "torch":
-                status = "n/a (torch: no checksums)"
-            else:
-                problems = storage.verify(_item(st), root_options=options)
-                damaged |= bool(problems)
-                status = _status(problems)
-            size = _units.format_size(_step_size(st))
-            table.add_row(str(st.step), size, _when(_step_time(st)), status)
             progress.advance(task)
+            try:
+                if args.no_verify:
+                    status = "-"
+                elif st.kind == "torch":
+                    status = "n/a (torch: no checksums)"
+                else:
+                    problems = _problems(st, options)
+                    damaged |= bool(problems)
+                    status = _status(problems)
+                with _reading(st):
+                    size, when = _step_size(st), _step_time(st)
+            except _DeletedMeanwhile:
+                deleted.append(st)
+                continue
+            table.add_row(str(st.step), _units.format_size(size), _when(when), status)
     out.print(table)
+    for st in deleted:
+        _skipped(f"step {st.step}", "listed")
     return EXIT_DAMAGED if damaged else EXIT_OK
 
 
@@ -537,14 +601,12 @@ def verify(args: argparse.Namespace) -> int:
     with _progress() as progress:
         task = progress.add_task("verifying", total=len(steps))
         for st in steps:
-            item = st.path if st.kind == "item" else _item(st)
-            where = str(item) if st.kind == "item" else f"step {st.step}"
-            problems = storage.verify(item, root_options=options)
-            # A writer renames a step away before it removes any of its data: problems of a
-            # step whose directory is gone mean it was deleted during the check, not damaged.
-            if problems and not st.path.exists():
+            where = str(st.path) if st.kind == "item" else f"step {st.step}"
+            try:
+                problems = _problems(st, options)
+            except _DeletedMeanwhile:
                 deleted.append(st)
-                print(f"{where}: deleted while it was verified (by its writer); skipped")
+                _skipped(where, "verified")
                 problems = []
             for p in problems:
                 bad += 1

@@ -61,6 +61,7 @@ from cocijax.manager._directory import (
     is_committed,
     list_committed,
     merge_options,
+    orbax_reader_notice_dropped,
     split_best,
 )
 from cocijax.manager._driver import manager_driver, stage_loss
@@ -342,9 +343,10 @@ class CheckpointManager:
             )
             registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
             registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
-            self.orbax = ocp.CheckpointManager(
-                self._directory, options=options, handler_registry=registry
-            )
+            with orbax_reader_notice_dropped():
+                self.orbax = ocp.CheckpointManager(
+                    self._directory, options=options, handler_registry=registry
+                )
             self._collect_garbage()
             if self._durable is not None:
                 self._durable.open(max(self._local_steps(), default=None))

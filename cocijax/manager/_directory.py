@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -42,6 +43,7 @@ __all__ = [
     "checked_once",
     "is_committed",
     "merge_options",
+    "orbax_reader_notice_dropped",
     "split_best",
     "step_problem",
 ]
@@ -304,7 +306,8 @@ def merge_options(
         # Failed saves are removed by the manager's garbage collection (_gc), after waiting:
         # Orbax's own cleanup ran in a thread of its own, racing it.
         cleanup_tmp_directories=False,
-        todelete_subdir=TRASH_DIR,
+        # A reader deletes nothing: Orbax would drop the trash itself, with a warning.
+        todelete_subdir=None if options.read_only else TRASH_DIR,
         create=not options.read_only,
     )
 
@@ -336,6 +339,28 @@ def _check_retention(options: Mapping[str, Any]) -> None:
         raise ValueError(
             f"keep_time_interval: expected a positive datetime.timedelta or None, got {interval!r}."
         )
+
+
+class _ReaderNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only=")
+
+
+@contextlib.contextmanager
+def orbax_reader_notice_dropped() -> Iterator[None]:
+    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
+
+    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
+    it describes what the user asked for and asks nothing of them. Only that message is dropped,
+    only while a manager opens.
+    """
+    quiet = _ReaderNotice()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
 
 
 def split_best(

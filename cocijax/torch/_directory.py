@@ -5,21 +5,26 @@ Layout of ``directory``::
     <step>/                 one committed checkpoint: DCP's files (``.metadata``, one
                             ``__<rank>_0.distcp`` per rank that wrote) and ``cocijax.json``
     .tmp-<step>-<session>/  a save still being written (removed when a manager opens)
+    .cocijax-deleted/       the trash: deleted directories whose files are being removed
     .cocijax.lock           the writer's lock (rank 0's)
     .cocijax-running        the running marker (see ``cocijax.manager._history``)
 
 A step is committed by renaming its temporary directory to ``<step>`` once every rank's files
-and ``cocijax.json`` are durable, so a listed step is always whole. Only rank 0 calls the
-functions here that change the directory.
+and ``cocijax.json`` are durable, and deleted by renaming it into the trash before any of its
+files is removed (as the JAX manager does), so a listed step is always whole: a crash or an I/O
+error in the middle of a deletion leaves the rest in the trash, which the next deletion or
+opening empties. Only rank 0 calls the functions here that change the directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ __all__ = [
     "FORMAT",
     "METADATA_NAME",
     "TMP_PREFIX",
+    "TRASH_DIR",
     "commit",
     "read_metadata",
     "remove",
@@ -41,7 +47,10 @@ METADATA_NAME = "cocijax.json"
 FORMAT = "cocijax.torch/2"
 _FORMATS = ("cocijax.torch/1", FORMAT)
 TMP_PREFIX = ".tmp-"
+TRASH_DIR = ".cocijax-deleted"  # the JAX manager's name for its trash too
 _STEP_DIR = re.compile(r"^\d+$")
+
+log = logging.getLogger(__name__)
 
 
 def scan_steps(directory: Path) -> list[int]:
@@ -65,10 +74,12 @@ def scan_steps(directory: Path) -> list[int]:
 
 
 def remove_uncommitted(directory: Path) -> None:
-    """Removes the temporary directories of saves that never committed (a crashed run's)."""
+    """Removes what a crashed run left: the temporary directories of saves that never
+    committed, and the trash of deletions it did not finish."""
     for entry in directory.iterdir():
         if entry.is_dir() and entry.name.startswith(TMP_PREFIX):
-            shutil.rmtree(entry, ignore_errors=True)
+            remove(entry)
+    empty_trash(directory)
 
 
 def commit(directory: Path, tmp: Path, step: int, meta: dict[str, Any]) -> None:
@@ -83,8 +94,50 @@ def commit(directory: Path, tmp: Path, step: int, meta: dict[str, Any]) -> None:
 
 
 def remove(path: Path) -> None:
-    """Deletes a step directory (a dropped step, or an abandoned save's temporary one)."""
-    shutil.rmtree(path, ignore_errors=True)
+    """Deletes a directory of the checkpoint directory (a dropped step, or a save's temporary
+    one): renames it into the trash, then empties the trash.
+
+    The rename is atomic: ``path`` is listed whole or not at all, whatever interrupts the
+    deletion. Errors are logged, not raised (a deletion follows a committed save or a failed
+    one, whose outcome it must not change): a failed rename leaves ``path`` whole where it is;
+    a failed removal leaves it in the trash for the next deletion or opening. A missing
+    ``path`` (a save that failed before writing anything) is nothing to do.
+    """
+    try:
+        (path.parent / TRASH_DIR).mkdir(exist_ok=True)
+        # A unique name: an earlier deletion of the same step may still be in the trash.
+        os.rename(path, path.parent / TRASH_DIR / f"{path.name}.{uuid.uuid4().hex[:8]}")
+    except OSError as e:
+        if not (isinstance(e, FileNotFoundError) and not path.exists()):
+            log.warning("could not delete %s (it stays whole): %s", path, e)
+        return
+    empty_trash(path.parent)
+
+
+def empty_trash(directory: Path) -> None:
+    """Removes what the trash of ``directory`` holds; what cannot be removed is logged and
+    stays there for the next call (each deletion and each opening)."""
+    trash = directory / TRASH_DIR
+    if not trash.is_dir():
+        return
+    try:
+        # The renames into the trash durable before any file goes: after a power loss a step
+        # must not be listed again without its files.
+        fsync_dir(directory)
+        entries = list(trash.iterdir())
+    except OSError as e:
+        log.warning("could not empty %s (retried at the next deletion or opening): %s", trash, e)
+        return
+    for entry in entries:
+        try:
+            shutil.rmtree(entry)
+        except OSError as e:
+            log.warning(
+                "could not remove %s, a deleted step or save (retried at the next deletion or "
+                "opening): %s",
+                entry,
+                e,
+            )
 
 
 def read_metadata(directory: Path, step: int) -> dict[str, Any]:
