@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import cocijax as cj
 from cocijax import sim
+from cocijax.sim import _model, _montecarlo
 
 DATA = Path(__file__).resolve().parent / "data" / "wrn-40-4_cifar10_loss.csv"
 
@@ -326,8 +327,10 @@ def test_replay_with_instant_commits_is_the_simulators_walk(steps, gaps, weights
     got = sim.replay(steps, np.cumsum(gaps), weights=weights, **kw)
     it = iter(gaps)
     draw = lambda k: np.array([next(it, math.inf) for _ in range(k)])
-    walked = sim._Trials(1, draw(1), math.inf)
-    sim._walk(walked, sim._save_steps(steps, 60), 60, 1.0, 1.5, 3.0, np.asarray(weights), draw)
+    walked = _montecarlo._Trials(1, draw(1), math.inf)
+    _montecarlo._walk(
+        walked, _model._save_steps(steps, 60), 60, 1.0, 1.5, 3.0, np.asarray(weights), draw
+    )
     assert got == pytest.approx(walked.result(got.n_saves))
 
 

@@ -1,0 +1,267 @@
+"""A schedule walked segment by segment: random failures (:func:`simulate`) or given ones
+(:func:`replay`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cocijax.sim._model import (
+    MAX_OVERHEAD_FACTOR,
+    SimResult,
+    _check_job,
+    _cumulative_work,
+    _save_steps,
+    _segments,
+    _weights,
+)
+
+
+def simulate(
+    save_steps,
+    *,
+    n_steps: int,
+    step_time_s: float,
+    checkpoint_cost_s: float,
+    recovery_s: float,
+    mtbf_s: float,
+    weibull_shape: float = 1.0,
+    weights=None,
+    trials: int = 1000,
+    seed: int = 0,
+    max_overhead_factor: float = MAX_OVERHEAD_FACTOR,
+) -> SimResult:
+    """Monte Carlo overhead of a save schedule under random failures.
+
+    Args:
+      save_steps: 1-based steps after which the job saves (any order, duplicates and steps
+        outside ``[1, n_steps]`` are dropped).
+      n_steps: number of training steps in the job.
+      step_time_s: seconds per step.
+      checkpoint_cost_s: stall seconds per save.
+      recovery_s: seconds to recover after each failure (restart, reload).
+      mtbf_s: mean time between failures.
+      weibull_shape: Weibull shape ``k`` of the inter-failure times (1 = Poisson, < 1 = bursty).
+      weights: per-step value weights (length ``n_steps``), e.g. from
+        :func:`progress_weights`; ``None`` means all 1.
+      trials: number of simulated jobs.
+      seed: seed of the failure draws. The same seed gives the same failure times for every
+        schedule (common random numbers), so differences between schedules have low variance.
+      max_overhead_factor: abandon a trial once it has lost this many times the failure-free
+        job time (see ``SimResult.finished``).
+
+    Returns:
+      A :class:`SimResult` of means over trials.
+
+    Raises:
+      ValueError: naming the offending argument if it is out of range.
+
+    Example:
+      >>> r = simulate([50, 100], n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0,
+      ...              recovery_s=5.0, mtbf_s=1e9, trials=10)
+      >>> r.wall_overhead_s, r.finished
+      (2.0, 1.0)
+    """
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    for name, val in (
+        ("weibull_shape", weibull_shape),
+        ("trials", trials),
+        ("max_overhead_factor", max_overhead_factor),
+    ):
+        if not (np.isfinite(val) and val > 0):
+            raise ValueError(f"{name} must be a positive number, got {val}.")
+    n_steps, trials = int(n_steps), int(trials)
+    steps = _save_steps(save_steps, n_steps)
+    w = _weights(weights, n_steps)
+    rng = np.random.default_rng(seed)
+    scale = mtbf_s / math.gamma(1.0 + 1.0 / weibull_shape)
+
+    def draw(k: int) -> np.ndarray:
+        return scale * rng.weibull(weibull_shape, size=k)
+
+    t = _Trials(trials, draw(trials), max_overhead_factor * n_steps * step_time_s)
+    _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw)
+    return t.result(steps.size)
+
+
+def replay(
+    save_steps,
+    failure_times_s,
+    *,
+    n_steps: int,
+    step_time_s: float,
+    checkpoint_cost_s: float,
+    recovery_s: float,
+    weights=None,
+    commit_s: float = 0.0,
+) -> SimResult:
+    """The overhead of one job whose failures came at given times: a recorded run, replayed.
+
+    The cost model of :func:`simulate`, with one trial whose failures are not drawn but given,
+    e.g. the failures a real run suffered, to predict what that run should have lost. Unlike
+    there, a save may commit after its stall ends: an asynchronous save writes on while
+    training goes on, and a failure before it has committed rolls the job back to the newest
+    save that had (``commit_s``). Step, stall and recovery times that vary within the run are
+    not modelled.
+
+    Args:
+      save_steps: 1-based steps after which the job saves (as in :func:`simulate`).
+      failure_times_s: wall-clock seconds from the start of the job's first step to each
+        failure, non-decreasing. Failures after the job has ended are left out.
+      n_steps: number of training steps in the job.
+      step_time_s: seconds per step.
+      checkpoint_cost_s: stall seconds per save.
+      recovery_s: seconds to recover after each failure (a failure during a recovery
+        restarts it).
+      weights: per-step value weights (length ``n_steps``); ``None`` means all 1.
+      commit_s: seconds from the end of a save's stall until it has committed (0: safe once
+        its stall ends, as :func:`simulate` assumes).
+
+    Returns:
+      A :class:`SimResult` of the one job (standard errors 0, ``finished`` 1, ``failures``
+      the number that struck before the end).
+
+    Raises:
+      ValueError: naming the offending argument if it is out of range, or
+        ``failure_times_s`` if it is not a non-decreasing list of finite, non-negative times.
+
+    Example:
+      >>> job = dict(n_steps=100, step_time_s=1.0, checkpoint_cost_s=1.0, recovery_s=5.0)
+      >>> r = replay([50, 100], [70.0], **job)
+      >>> r.failures, r.recompute_s, r.recovery_s, r.stall_s  # 19 s after the save at step 50
+      (1.0, 19.0, 5.0, 2.0)
+      >>> replay([50, 100], [52.0], commit_s=3.0, **job).recompute_s  # step 50 not committed
+      51.0
+    """
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s=1.0)  # none needed
+    if not (np.isfinite(commit_s) and commit_s >= 0):
+        raise ValueError(f"commit_s must be a non-negative number, got {commit_s}.")
+    times = np.asarray(failure_times_s, dtype=np.float64)
+    if (
+        times.ndim != 1
+        or not np.all(np.isfinite(times) & (times >= 0))
+        or np.any(np.diff(times) < 0)
+    ):
+        raise ValueError(
+            "failure_times_s must be a 1-D sequence of finite, non-negative, non-decreasing "
+            f"seconds, got {failure_times_s!r}."
+        )
+    n_steps = int(n_steps)
+    steps = _save_steps(save_steps, n_steps)
+    cw = _cumulative_work(_weights(weights, n_steps), step_time_s)
+    t = _Trials(1, np.zeros(1), math.inf)
+    job = (n_steps, step_time_s, checkpoint_cost_s, recovery_s, commit_s)
+    _replay_walk(t, steps, cw, iter(times.tolist()), job)
+    return t.result(steps.size)
+
+
+def _replay_walk(t: _Trials, steps: np.ndarray, cw: np.ndarray, failures, job: tuple) -> None:
+    """Walks the one trial of :func:`replay` through ``steps`` with the given failures."""
+    n_steps, step_time_s, checkpoint_cost_s, recovery_s, commit_s = job
+    now, fail_at = 0.0, next(failures, math.inf)
+    pos = safe = 0  # the step the job runs on from; the newest committed save
+    pending: list[tuple[float, int]] = []  # (commit time, step) of saves not known committed
+    while pos < n_steps:
+        i = int(np.searchsorted(steps, pos, side="right"))
+        end = int(steps[i]) if i < steps.size else n_steps
+        c = checkpoint_cost_s if i < steps.size else 0.0
+        work = (end - pos) * step_time_s
+        if now + work + c <= fail_at:
+            now += work + c
+            t.stall[0] += c
+            if i < steps.size:
+                pending.append((now + commit_s, end))
+            pos = end
+            continue
+        # A failure: the job rolls back to the newest save committed by then.
+        done = min(fail_at - now, work)
+        t.stall[0] += fail_at - now - done
+        safe = max([safe] + [s for when, s in pending if when <= fail_at])
+        reached = pos + done / step_time_s
+        t.lost[0] += reached * step_time_s - safe * step_time_s
+        t.lost_w[0] += np.interp(reached, np.arange(n_steps + 1), cw) - cw[safe]
+        t.fails[0] += 1
+        now, fail_at = fail_at, next(failures, math.inf)
+        while fail_at - now < recovery_s:  # a failure during the recovery restarts it
+            t.recov[0] += fail_at - now
+            t.fails[0] += 1
+            now, fail_at = fail_at, next(failures, math.inf)
+        t.recov[0] += recovery_s
+        now += recovery_s
+        pos, pending = safe, []
+
+
+def _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw) -> None:
+    """Runs the trials ``t`` through the schedule; ``draw(k)`` gives the next ``k`` gaps."""
+    cw = _cumulative_work(w, step_time_s)  # lost work: interpolated inside a step
+    for s0, s1, c in _segments(steps, n_steps, checkpoint_cost_s):
+        work = (s1 - s0) * step_time_s
+        dur = work + c
+        active = np.flatnonzero(t.alive)
+        while active.size:
+            ok = t.t_next[active] >= dur
+            done = active[ok]
+            t.t_next[done] -= dur
+            t.stall[done] += c
+            hit = active[~ok]
+            if hit.size == 0:
+                break
+            x = t.t_next[hit]
+            lw = np.minimum(x, work)
+            t.lost[hit] += lw
+            pos = s0 + lw / step_time_s
+            t.lost_w[hit] += np.interp(pos, np.arange(n_steps + 1), cw) - cw[s0]
+            t.stall[hit] += x - lw
+            t.fails[hit] += 1
+            t.recover(hit, recovery_s, draw)
+            active = hit[t.alive[hit]]
+
+
+class _Trials:
+    """Per-trial accumulators of :func:`simulate`, and the abandonment rule."""
+
+    def __init__(self, trials: int, t_next: np.ndarray, cap_s: float):
+        self.t_next = t_next  # time until the next failure
+        self.stall, self.lost, self.lost_w, self.recov, self.fails = np.zeros((5, trials))
+        self.alive = np.ones(trials, bool)  # not abandoned
+        self.cap_s = cap_s
+
+    def recover(self, hit: np.ndarray, recovery_s: float, draw) -> None:
+        """Recovers the trials ``hit`` (a recovery restarts on any failure inside it)."""
+        nxt = draw(hit.size)
+        pending = np.arange(hit.size)
+        while pending.size:
+            short = nxt[pending] < recovery_s
+            sp = pending[short]
+            if sp.size == 0:
+                break
+            self.recov[hit[sp]] += nxt[sp]
+            self.fails[hit[sp]] += 1
+            nxt[sp] = draw(sp.size)
+            # A recovery longer than the MTBF may never complete: stop at the cap.
+            sp = sp[self.stall[hit[sp]] + self.lost[hit[sp]] + self.recov[hit[sp]] < self.cap_s]
+            pending = sp
+        self.recov[hit] += recovery_s
+        self.t_next[hit] = nxt - recovery_s
+        over = self.stall[hit] + self.lost[hit] + self.recov[hit] >= self.cap_s
+        self.alive[hit[over]] = False
+
+    def result(self, n_saves: int) -> SimResult:
+        """The means over trials."""
+        wall = self.stall + self.lost + self.recov
+        weighted = self.stall + self.lost_w + self.recov
+        n = wall.size
+        se = lambda a: float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        return SimResult(
+            wall_overhead_s=float(wall.mean()),
+            weighted_overhead_s=float(weighted.mean()),
+            wall_overhead_se=se(wall),
+            weighted_overhead_se=se(weighted),
+            failures=float(self.fails.mean()),
+            stall_s=float(self.stall.mean()),
+            recompute_s=float(self.lost.mean()),
+            recovery_s=float(self.recov.mean()),
+            n_saves=int(n_saves),
+            finished=float(self.alive.mean()),
+        )
