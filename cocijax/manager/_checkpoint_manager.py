@@ -70,7 +70,8 @@ from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
-from cocijax.manager._tiers import manager_root, open_durable, pin_steps
+from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
+from cocijax.manager._tiers import open_durable
 
 __all__ = ["CheckpointManager"]
 
@@ -157,14 +158,22 @@ class CheckpointManager:
         committed step is never deleted.
       durable_options: TensorStore kvstore options for an object-store ``durable``, e.g.
         ``{"endpoint": "http://127.0.0.1:9000", "aws_region": "us-east-1"}``.
+      store_timeout_s: the longest any single wait for an object store may take: probing the
+        roots and the durable tier at construction (an unreachable endpoint, a missing bucket
+        or missing credentials raise within it, naming the URL and the cause), each request
+        of the durable tier's own, and ``close()``'s wait for a drain that makes no progress
+        (then abandoned, the step named in a warning; it stays on the local tier).
 
     Raises:
       ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
         ``best_mode``/``keep_latest``/``preemption_signals``/``durable_every``/
-        ``durable_max_to_keep`` are out of range, or ``durable`` has an unsupported URL
-        scheme or options TensorStore refuses.
+        ``durable_max_to_keep``/``store_timeout_s`` are out of range, ``durable`` has an
+        unsupported URL scheme or options TensorStore refuses, or an object-store root cannot
+        be written within ``store_timeout_s``.
       TypeError: ``best_fn`` is not callable, ``preemption_signals`` is not a sequence of
-        signals, or a ``durable*`` argument has the wrong type.
+        signals, or a ``durable*`` argument or ``store_timeout_s`` has the wrong type.
+      DurableTierError: the durable tier cannot be listed (or written, by the writer) within
+        ``store_timeout_s``: its steps may be newer than the local ones.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
@@ -201,6 +210,7 @@ class CheckpointManager:
         durable_every: int = 1,
         durable_max_to_keep: int | None = None,
         durable_options: dict[str, Any] | None = None,
+        store_timeout_s: float = 30.0,
     ):
         age = process_age_s()
         if not isinstance(directory, str | os.PathLike):
@@ -262,6 +272,7 @@ class CheckpointManager:
             source_options=root_options,
             writer=not options.read_only and self._primary,
             clock=clock,
+            timeout_s=store_timeout_s,
         )
         if self._durable is not None:
             options = pin_steps(options, self._durable.pinned)
@@ -295,7 +306,7 @@ class CheckpointManager:
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
                 roots=[] if self._read_only else list(self._stripe_roots),
-                **(handler_options or {}),
+                **{"store_timeout_s": check_timeout(store_timeout_s), **(handler_options or {})},
             )
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             registry.add(STATE_ITEM, storage.StripedSave, handler)
@@ -727,6 +738,10 @@ class CheckpointManager:
                 # data, so data missing under a step directory that is still there is damage.
                 if where == "local" and not self.item_directory(step).parent.exists():
                     raise _Deleted(step) from e
+                # The durable writer deletes a step's manifest before its data; a store that
+                # lost the step does too: either way it is no longer committed.
+                if where == "durable" and self._durable.vanished(step):
+                    raise _Deleted(step) from e
                 if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
                     if skipped:
                         e.add_note(f"restore: also damaged, skipped: {', '.join(skipped)}")
@@ -748,6 +763,8 @@ class CheckpointManager:
             raise ValueError("restore: tier='durable', but this manager has no durable tier.")
         local = self._local_steps() if tier != "durable" else []
         durable = self._durable.steps() if self._durable is not None and tier != "local" else []
+        if self._durable is not None and tier != "local" and step not in (None, *local, *durable):
+            durable = self._durable.refreshed_steps()  # drained since the last listing?
         steps = sorted(set(local) | set(durable))
         where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
         if step is None:
