@@ -40,6 +40,8 @@ _FORMAT = "cocijax-durable-lease"
 # The owners in this process whose lease may still be in use (held, or left to expire by a
 # writer whose requests may still land): any other owner of this process has released it.
 _LIVE: set[str] = set()
+# How often a writer waiting for the lease reads it again (one GET).
+_POLL_S = 0.5
 
 
 class LeaseError(RuntimeError):
@@ -139,7 +141,7 @@ class Lease:
                 waiting(describe(holder))
                 said = True
             left = deadline - time.monotonic()
-            time.sleep(max(0.0, min(self._duration / 8, left, _expires_in(holder, self._clock))))
+            time.sleep(max(0.0, min(_POLL_S, left, _expires_in(holder, self._clock))))
 
     def _free(self, holder: dict[str, Any]) -> bool:
         if holder.get("owner") == self.owner or _expires_in(holder, self._clock) <= 0:

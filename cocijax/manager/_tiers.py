@@ -143,24 +143,27 @@ class DurableTier:
         """The committed steps, listed with short retries until ``timeout_s`` has passed."""
         timeout = self.options.timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.1
+        delay, cause = 0.1, None
         while True:
-            left = None if deadline is None else max(0.01, deadline - time.monotonic())
+            left = None if deadline is None else deadline - time.monotonic()
             try:
                 committed = scan(self.root.for_probe().with_timeout(left))[0]
                 if self.options.writer:
                     storage.probe_writable(self.root, left)
                 return committed
             except (ValueError, OSError) as e:
-                if storage.is_transient(e) and (deadline is None or time.monotonic() < deadline):
+                # A deadline cut short says less than the failure retried before it.
+                cause = e if cause is None or not isinstance(e, TimeoutError) else cause
+                left = None if deadline is None else deadline - time.monotonic()
+                if storage.is_transient(e) and (left is None or left > delay):
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
                     continue
                 raise DurableTierError(
                     f"durable={self.url!r}: the durable tier cannot be "
                     f"{'listed or written' if self.options.writer else 'listed'} "
-                    f"({storage.describe_error(e)}). Its steps may be newer than the local ones "
-                    f"in {self.options.local} (newest local step: {local_newest}), so the "
+                    f"({storage.describe_error(cause)}). Its steps may be newer than the local "
+                    f"ones in {self.options.local} (newest local step: {local_newest}), so the "
                     "manager does not open on the local steps alone. Fix the endpoint, bucket "
                     "or credentials (durable_options) and open again"
                     + (f", or raise store_timeout_s (now {timeout:g} s)" if timeout else "")

@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -310,3 +311,62 @@ def test_durable_every_drains_every_kth_saved_step(tmp_path):
     with _manager(tmp_path, durable, durable_every=2) as mngr:
         mngr.wait_until_finished(durable=True)
         assert mngr.durable_steps() == [2, 4, 5]
+
+
+def _lease(root, name: str, **kwargs):
+    from cocijax.manager._tier_lease import Lease
+
+    kwargs.setdefault("duration_s", 60.0)
+    return Lease(storage.KvPath.parse(root), owner=name, directory=f"/ckpt-{name}", **kwargs)
+
+
+def test_the_lease_has_one_holder_until_released_or_expired(tmp_path):
+    from cocijax.manager._tier_lease import LeaseError
+
+    first, second = _lease(tmp_path, "first"), _lease(tmp_path, "second")
+    first.acquire(0)
+    try:
+        with pytest.raises(LeaseError, match=r"held by another writer, first .*/ckpt-first"):
+            second.acquire(0.2)
+        waited = []
+        first.release()
+        second.acquire(0.2, waiting=waited.append)
+        assert second.held and not waited
+        # A holder that stopped renewing: once its expiry passed (another clock), it is taken.
+        later = _lease(tmp_path, "later", clock=lambda: time.time() + 120)
+        later.acquire(0)
+        with pytest.raises(LeaseError, match="lease lost"):
+            second.check(margin_s=0)
+        later.release()
+    finally:
+        first.release()
+        second.release()
+
+
+def test_a_lease_whose_process_is_gone_is_free_at_once(tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from cocijax.manager._tier_lease import LEASE_KEY
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    record = {
+        "format": "cocijax-durable-lease",
+        "owner": "killed",
+        "host": socket.gethostname(),
+        "pid": int(gone.stdout),
+        "expires_unix": time.time() + 3600,
+    }
+    (tmp_path / LEASE_KEY).write_text(json.dumps(record))
+    lease = _lease(tmp_path, "next")
+    lease.acquire(0)
+    try:
+        assert lease.held
+        assert json.loads((tmp_path / LEASE_KEY).read_text())["owner"] == "next"
+    finally:
+        lease.release()
+    assert not (tmp_path / LEASE_KEY).exists()
