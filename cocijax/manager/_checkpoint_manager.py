@@ -820,6 +820,7 @@ class CheckpointManager:
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: ``step`` is not a committed step.
+          DurableTierError: another writer holds the durable tier's lease (nothing deleted).
         """
         self._check_open()
         if step not in self.all_steps():

@@ -16,7 +16,14 @@ import orbax.checkpoint as ocp
 from cocijax import storage
 from cocijax.manager._tier_lease import owner_id
 
-__all__ = ["DurableOptions", "DurableTierError", "check_timeout", "manager_root", "pin_steps"]
+__all__ = [
+    "DurableOptions",
+    "DurableTierError",
+    "check_durable_args",
+    "check_timeout",
+    "manager_root",
+    "pin_steps",
+]
 
 
 class DurableTierError(RuntimeError):
@@ -95,6 +102,41 @@ def check_timeout(value: Any, name: str = "store_timeout_s") -> float:
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}: must be a positive, finite number of seconds, got {value}.")
     return float(value)
+
+
+def check_durable_args(
+    durable: Any, options: Any, every: Any, max_to_keep: Any, timeout_s: Any
+) -> float:
+    """Checks the manager's ``durable*`` and ``store_timeout_s`` arguments; the timeout.
+
+    Raises:
+      TypeError: ``durable`` is not a path or URL, ``durable_every``/``durable_max_to_keep``
+        not ints, ``store_timeout_s`` not a number.
+      ValueError: ``durable_every`` < 1, ``durable_max_to_keep`` < 1, ``store_timeout_s`` not
+        positive, ``durable_options`` without ``durable``.
+    """
+    timeout_s = check_timeout(timeout_s)
+    for name, value, low, none_ok in (
+        ("durable_every", every, 1, False),
+        ("durable_max_to_keep", max_to_keep, 1, True),
+    ):
+        if value is None and none_ok:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {value!r}.")
+        if value < low:
+            raise ValueError(
+                f"{name}: must be >= {low}, got {value}"
+                + ("; the durable tier always keeps its newest step." if none_ok else ".")
+            )
+    if durable is None and options:
+        raise ValueError("durable_options: given without durable=; pass the durable URL.")
+    if durable is not None and not isinstance(durable, str | os.PathLike):
+        raise TypeError(
+            f"durable: expected a path or an object-store URL (s3://bucket/prefix), got "
+            f"{type(durable).__name__}."
+        )
+    return timeout_s
 
 
 class _Pinned:

@@ -35,32 +35,20 @@ being drained and the one waiting are *pinned*: local retention does not delete 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint as ocp
-
 from cocijax import storage
-from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM
-from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
-from cocijax.manager._tier_layout import (
-    COMMIT_KEY,
-    STEP_FILES,
-    make_record,
-    read_record,
-    scan,
-    step_files,
-)
+from cocijax.manager._directory import STATE_ITEM
+from cocijax.manager._tier_layout import COMMIT_KEY, STEP_FILES, make_record, read_record, scan
 from cocijax.manager._tier_lease import Lease, LeaseError
-from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_timeout
+from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
+from cocijax.manager._tier_read import restore_step
 
 __all__ = ["DurableOptions", "DurableTier", "DurableTierError", "open_durable"]
 
@@ -436,7 +424,8 @@ class DurableTier:
                 raise DurableTierError(
                     f"{self.url}: the drain of step {stalled} made no progress for "
                     f"{self.options.timeout_s:g} s (store_timeout_s): the store does not "
-                    "answer; the drain goes on in the background."
+                    "answer, or the drain waits for another writer's lease (see the log); it "
+                    "goes on in the background."
                 )
             return stalled
         if raise_errors:
@@ -543,62 +532,9 @@ class DurableTier:
     # -- restoring --------------------------------------------------------------------------
 
     def restore(self, step: int, items: dict[str, Any]) -> Any:
-        """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of ``step``.
-
-        The step's files other than pieces are downloaded into a temporary directory (and
-        checked), removed whatever happens (an interrupt included); the state's pieces are
-        read from the durable tier.
-        """
-        tmp = tempfile.mkdtemp(prefix="cocijax-durable-")
-        try:
-            local, pieces = self.stage(step, Path(tmp))
-            if STATE_ITEM in items:
-                state = dataclasses.replace(items[STATE_ITEM], roots=[pieces])
-                items = {**items, STATE_ITEM: state}
-            handler = ocp.CompositeCheckpointHandler(handler_registry=self._registry())
-            with ocp.Checkpointer(handler) as checkpointer:
-                return checkpointer.restore(local, args=ocp.args.Composite(**items))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _registry(self) -> ocp.handlers.CheckpointHandlerRegistry:
-        # Pieces on the durable tier are read with its options; the policy item as locally.
-        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state = storage.StripedCheckpointHandler(root_options=self.options.store_options)
-        registry.add(STATE_ITEM, storage.StripedRestore, state)
-        registry.add(POLICY_ITEM, PolicyStateRestore, PolicyStateHandler())
-        return registry
-
-    def stage(self, step: int, into: Path) -> tuple[Path, storage.KvPath]:
-        """Downloads a durable step's files other than pieces into ``into``; checks them.
-
-        Orbax's handlers read items from local files; the state's pieces stay where they are
-        and are read from the durable tier by TensorStore (``StripedRestore(roots=...)``), only
-        those the restore needs.
-
-        Returns:
-          The local step directory, and the durable state item (where the pieces are).
-
-        Raises:
-          FileNotFoundError: the step is not committed on the durable tier.
-          CorruptCheckpointError: the record is malformed, or a file is missing or differs
-            from it (names the step and the object's URL).
-        """
-        prefix = self.root / str(step)
-        local = into / str(step)
-        manifest = (prefix / COMMIT_KEY).read_bytes()
-        if manifest is None:
-            raise FileNotFoundError(f"step {step} is not committed on the durable tier {self.url}.")
-        shutil.rmtree(local, ignore_errors=True)
-        for path, data, problem in step_files(prefix, step):
-            if problem is not None:
-                raise storage.CorruptCheckpointError(problem.message)
-            target = local / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        (local / STATE_ITEM).mkdir(parents=True, exist_ok=True)
-        (local / STATE_ITEM / storage.MANIFEST_NAME).write_bytes(manifest)
-        return local, prefix / STATE_ITEM
+        """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of
+        ``step`` (see :func:`~cocijax.manager._tier_read.restore_step`)."""
+        return restore_step(self.root, step, items, self.options.store_options)
 
 
 def open_durable(
@@ -619,35 +555,12 @@ def open_durable(
       **kwargs: the other :class:`DurableOptions`.
 
     Raises:
-      TypeError: ``durable`` is not a path or URL, ``durable_every``/``durable_max_to_keep``
-        not ints, ``durable_options`` not a dict, ``store_timeout_s`` not a number.
-      ValueError: ``durable_every`` < 1, ``durable_max_to_keep`` < 1, ``store_timeout_s`` not
-        positive, an unsupported URL scheme, or options TensorStore refuses;
-        ``durable_options`` without ``durable``.
+      TypeError, ValueError: see :func:`~cocijax.manager._tier_options.check_durable_args`;
+        ValueError also for an unsupported URL scheme or options TensorStore refuses.
     """
-    timeout_s = check_timeout(timeout_s)
-    for name, value, low, none_ok in (
-        ("durable_every", every, 1, False),
-        ("durable_max_to_keep", max_to_keep, 1, True),
-    ):
-        if value is None and none_ok:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int, got {value!r}.")
-        if value < low:
-            raise ValueError(
-                f"{name}: must be >= {low}, got {value}"
-                + ("; the durable tier always keeps its newest step." if none_ok else ".")
-            )
+    timeout_s = check_durable_args(durable, options, every, max_to_keep, timeout_s)
     if durable is None:
-        if options:
-            raise ValueError("durable_options: given without durable=; pass the durable URL.")
         return None
-    if not isinstance(durable, str | os.PathLike):
-        raise TypeError(
-            f"durable: expected a path or an object-store URL (s3://bucket/prefix), got "
-            f"{type(durable).__name__}."
-        )
     tier = DurableOptions(
         store_options=options,
         every=every,
