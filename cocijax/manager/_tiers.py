@@ -325,8 +325,7 @@ class DurableTier:
                     storage.describe_error(e),
                     delay,
                 )
-            time.sleep(delay)
-            self._touch()
+            time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
             delay *= 2
 
     def _clean_failed(self, step: int) -> None:
