@@ -148,8 +148,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             ``root_options`` is not a dict.
           ValueError: two roots are the same directory, a root cannot be created or written
             (on an object store: a probe object cannot be written and deleted within
-            ``store_timeout_s``), an unsupported
-            URL scheme, options TensorStore refuses, or an option is out of range.
+            ``store_timeout_s``), an unsupported URL scheme, options TensorStore refuses, or
+            an option is out of range.
         """
         if isinstance(roots, str | os.PathLike):
             raise TypeError(
