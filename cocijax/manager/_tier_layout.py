@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "make_record",
     "read_record",
     "scan",
+    "scan_within",
     "step_files",
     "verify_durable_step",
 ]
@@ -131,6 +133,35 @@ def scan(root: storage.KvPath) -> tuple[list[int], list[int]]:
             if rest == COMMIT_KEY:
                 committed.add(int(head))
     return sorted(committed), sorted(seen - committed)
+
+
+def scan_within(root: storage.KvPath, timeout_s: float | None, *, writable: bool) -> list[int]:
+    """A durable tier's committed steps, listed (and, if ``writable``, a probe object written)
+    with short request retries; failures that may pass are tried again until ``timeout_s``.
+
+    Raises:
+      ValueError, OSError: the tier cannot be listed (or written): the failure that was retried
+        rather than the deadline that cut the last try short, which says less.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    delay, cause = 0.1, None
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        try:
+            committed = scan(root.for_probe().with_timeout(left))[0]
+            if writable:
+                storage.probe_writable(root, left)
+            return committed
+        except (ValueError, OSError) as e:
+            if cause is None or not isinstance(e, TimeoutError):
+                cause = e
+            left = None if deadline is None else deadline - time.monotonic()
+            if not storage.is_transient(e) or (left is not None and left <= delay):
+                if cause is e:
+                    raise
+                raise cause from e
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 def step_files(

@@ -45,7 +45,14 @@ from typing import Any
 
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM
-from cocijax.manager._tier_layout import COMMIT_KEY, STEP_FILES, make_record, read_record, scan
+from cocijax.manager._tier_layout import (
+    COMMIT_KEY,
+    STEP_FILES,
+    make_record,
+    read_record,
+    scan,
+    scan_within,
+)
 from cocijax.manager._tier_lease import Lease, LeaseError
 from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
 from cocijax.manager._tier_read import restore_step
@@ -128,35 +135,20 @@ class DurableTier:
             self.offer(local_newest, force=True)
 
     def _list_at_open(self, local_newest: int | None) -> list[int]:
-        """The committed steps, listed with short retries until ``timeout_s`` has passed."""
         timeout = self.options.timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay, cause = 0.1, None
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            try:
-                committed = scan(self.root.for_probe().with_timeout(left))[0]
-                if self.options.writer:
-                    storage.probe_writable(self.root, left)
-                return committed
-            except (ValueError, OSError) as e:
-                # A deadline cut short says less than the failure retried before it.
-                cause = e if cause is None or not isinstance(e, TimeoutError) else cause
-                left = None if deadline is None else deadline - time.monotonic()
-                if storage.is_transient(e) and (left is None or left > delay):
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-                    continue
-                raise DurableTierError(
-                    f"durable={self.url!r}: the durable tier cannot be "
-                    f"{'listed or written' if self.options.writer else 'listed'} "
-                    f"({storage.describe_error(cause)}). Its steps may be newer than the local "
-                    f"ones in {self.options.local} (newest local step: {local_newest}), so the "
-                    "manager does not open on the local steps alone. Fix the endpoint, bucket "
-                    "or credentials (durable_options) and open again"
-                    + (f", or raise store_timeout_s (now {timeout:g} s)" if timeout else "")
-                    + "; to go on from the local steps only, open without durable=."
-                ) from e
+        try:
+            return scan_within(self.root, timeout, writable=self.options.writer)
+        except (ValueError, OSError) as e:
+            raise DurableTierError(
+                f"durable={self.url!r}: the durable tier cannot be "
+                f"{'listed or written' if self.options.writer else 'listed'} "
+                f"({storage.describe_error(e)}). Its steps may be newer than the local ones in "
+                f"{self.options.local} (newest local step: {local_newest}), so the manager does "
+                "not open on the local steps alone. Fix the endpoint, bucket or credentials "
+                "(durable_options) and open again"
+                + (f", or raise store_timeout_s (now {timeout:g} s)" if timeout else "")
+                + "; to go on from the local steps only, open without durable=."
+            ) from e
 
     def refresh(self) -> list[int]:
         """Lists the committed steps on the durable tier again (a LIST of its objects).
