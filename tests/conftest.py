@@ -72,7 +72,11 @@ class S3Bucket:
 
     def options_of_a_server_that_is_down(self) -> dict:
         """:attr:`options` with an endpoint on 127.0.0.1 where nothing listens."""
-        return {**self.options, "endpoint": f"http://127.0.0.1:{free_port()}"}
+        return self.options_via(f"http://127.0.0.1:{free_port()}")
+
+    def options_via(self, endpoint: str) -> dict:
+        """:attr:`options` with another endpoint (e.g. a :class:`StoreProxy` in front)."""
+        return {**self.options, "endpoint": endpoint}
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every object key under ``prefix``, sorted."""
@@ -122,6 +126,20 @@ def s3(s3_server) -> S3Bucket:
     name = f"cocijax-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=name)
     return S3Bucket(endpoint, name, client)
+
+
+@pytest.fixture
+def s3_proxy(s3):
+    """A TCP proxy on 127.0.0.1 in front of the S3 server (``store_proxy.StoreProxy``): a test
+    takes the server down (``down()``), makes it accept and never answer (``hang()``) or brings
+    it back (``up()``); ``s3.options_via(proxy.endpoint)`` goes through it. Closed after."""
+    from store_proxy import StoreProxy
+
+    proxy = StoreProxy(int(s3.endpoint.rsplit(":", 1)[1]))
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 @dataclasses.dataclass

@@ -385,31 +385,41 @@ def _root_options(args: argparse.Namespace) -> dict[str, str] | None:
     return options or None
 
 
-def _durable_root(args: argparse.Namespace):
-    """The durable tier DIR names (an ``s3://`` or ``gs://`` URL), or ``None`` when local.
+# The longest the command line waits for one answer of an object store.
+_STORE_TIMEOUT_S = 30.0
 
-    A ``file://`` DIR becomes its path.
+
+def _durable_root(args: argparse.Namespace):
+    """The durable tier DIR names, or ``None`` for a local checkpoint directory.
+
+    A durable tier is an ``s3://`` or ``gs://`` URL, or a local path (or ``file://`` URL) laid
+    out as one: step folders holding a ``cocijax_step.json`` record (a drain in flight is a
+    step folder without a manifest: not listed, not damage).
     """
     from cocijax import storage
+    from cocijax.manager._tier_layout import STEP_FILES
 
-    if not storage.is_url(args.directory):
-        return None
     try:
         root = storage.KvPath.parse(args.directory, _root_options(args))
     except (TypeError, ValueError) as e:
         raise CliError(str(e)) from None
-    if root.is_local:
+    if not root.is_local:
+        return root.with_timeout(_STORE_TIMEOUT_S)
+    if storage.is_url(args.directory):
         args.directory = root.key
-        return None
-    return root
+    directory = Path(root.key)
+    steps = [d for d in directory.iterdir() if d.name.isdigit()] if directory.is_dir() else []
+    if steps and any((d / STEP_FILES).is_file() for d in steps):
+        return root
+    return None
 
 
 def _durable_steps(root, step: int | None = None) -> list[int]:
     """The committed steps of a durable tier (only ``step`` when given)."""
-    from cocijax.manager._tiers import scan
+    from cocijax.manager._tier_layout import scan
 
     try:
-        committed, _ = scan(root)
+        committed, _ = scan(root.for_probe())
     except (ValueError, OSError) as e:
         raise CliError(f"cannot list {root.url}: {e}") from None
     if step is not None:
@@ -425,7 +435,7 @@ def _durable_row(root, step: int, check: bool) -> tuple[int, float | None, list 
 
     from cocijax import storage
     from cocijax.manager._directory import STATE_ITEM
-    from cocijax.manager._tiers import step_files, verify_durable_step
+    from cocijax.manager._tier_layout import step_files, verify_durable_step
 
     prefix = root / str(step)
     manifest = storage.read_manifest(prefix / STATE_ITEM)
@@ -433,7 +443,7 @@ def _durable_row(root, step: int, check: bool) -> tuple[int, float | None, list 
         math.prod(p.shape) * jnp.dtype(manifest.leaves[p.leaf].dtype).itemsize
         for p in manifest.pieces
     )
-    size += sum(len(data or b"") for _, data, _ in step_files(prefix))
+    size += sum(len(data or b"") for _, data, _ in step_files(prefix, step))
     try:
         meta = json.loads((prefix / "_CHECKPOINT_METADATA").read_text())
         when = meta["commit_timestamp_nsecs"] / 1e9
@@ -558,7 +568,7 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def _verify_durable(args: argparse.Namespace, root) -> int:
-    from cocijax.manager._tiers import verify_durable_step
+    from cocijax.manager._tier_layout import verify_durable_step
 
     steps = _durable_steps(root, args.step)
     bad = 0

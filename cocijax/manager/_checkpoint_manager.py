@@ -79,7 +79,8 @@ from cocijax.manager._orbax_steps import OrbaxStep, restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
-from cocijax.manager._tiers import manager_root, open_durable, pin_steps
+from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
+from cocijax.manager._tiers import open_durable
 
 __all__ = ["CheckpointManager"]
 
@@ -177,14 +178,22 @@ class CheckpointManager:
       orbax_retention: steps that Orbax's own ``CheckpointManager`` wrote in ``directory``
         (a job switching to cocijax) count in ``max_to_keep``: the oldest are deleted as new
         steps are saved. Default: they are listed and restored, never deleted.
+      store_timeout_s: the longest any single wait for an object store may take: probing the
+        roots and the durable tier at construction (an unreachable endpoint, a missing bucket
+        or missing credentials raise within it, naming the URL and the cause), each request
+        of the durable tier's own, and ``close()``'s wait for a drain that makes no progress
+        (then abandoned, the step named in a warning; it stays on the local tier).
 
     Raises:
       ValueError: ``directory`` holds files or steps cocijax did not write, options conflict,
         ``best_mode``/``keep_latest``/``preemption_signals``/``durable_every``/
-        ``durable_max_to_keep`` are out of range, or ``durable`` has an unsupported URL
-        scheme or options TensorStore refuses.
+        ``durable_max_to_keep``/``store_timeout_s`` are out of range, ``durable`` has an
+        unsupported URL scheme or options TensorStore refuses, or an object-store root cannot
+        be written within ``store_timeout_s``.
       TypeError: ``best_fn`` is not callable, ``preemption_signals`` is not a sequence of
-        signals, or a ``durable*`` argument has the wrong type.
+        signals, or a ``durable*`` argument or ``store_timeout_s`` has the wrong type.
+      DurableTierError: the durable tier cannot be listed (or written, by the writer) within
+        ``store_timeout_s``: its steps may be newer than the local ones.
       DirectoryLockedError: another manager has the directory open for writing.
 
     Example:
@@ -223,6 +232,7 @@ class CheckpointManager:
         durable_max_to_keep: int | None = None,
         durable_options: dict[str, Any] | None = None,
         orbax_retention: bool = False,
+        store_timeout_s: float = 30.0,
     ):
         age = process_age_s()
         if not isinstance(directory, str | os.PathLike):
@@ -285,6 +295,7 @@ class CheckpointManager:
             source_options=root_options,
             writer=not options.read_only and self._primary,
             clock=clock,
+            timeout_s=store_timeout_s,
         )
         check_locations(self._directory, self._roots, getattr(self._durable, "root", None))
         if self._durable is not None:
@@ -333,7 +344,7 @@ class CheckpointManager:
             handler = storage.StripedCheckpointHandler(
                 # A reader needs no roots (the manifest names them) and must not create them.
                 roots=[] if self._read_only else list(self._stripe_roots),
-                **(handler_options or {}),
+                **{"store_timeout_s": check_timeout(store_timeout_s), **(handler_options or {})},
             )
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             registry.add(STATE_ITEM, storage.StripedSave, handler)
@@ -780,6 +791,10 @@ class CheckpointManager:
                 # data, so data missing under a step directory that is still there is damage.
                 if where == "local" and not self.item_directory(step).parent.exists():
                     raise _Deleted(step) from e
+                # The durable writer deletes a step's manifest before its data; a store that
+                # lost the step does too: either way it is no longer committed.
+                if where == "durable" and self._durable.vanished(step):
+                    raise _Deleted(step) from e
                 if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
                     if skipped:
                         names = ", ".join(self._copy_name(*c) for c in skipped)
@@ -839,6 +854,8 @@ class CheckpointManager:
         local = self._local_steps() if tier != "durable" else []
         orbax = list(self._orbax_steps) if tier != "durable" else []
         durable = self._durable.steps() if self._durable is not None and tier != "local" else []
+        if self._durable is not None and tier != "local" and step not in (None, *local, *durable):
+            durable = self._durable.refreshed_steps()  # drained since the last listing?
         steps = sorted(set(local) | set(orbax) | set(durable))
         where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
         if step is None:
@@ -905,6 +922,7 @@ class CheckpointManager:
         Raises:
           ManagerClosedError: the manager was closed.
           FileNotFoundError: ``step`` is not a committed step.
+          DurableTierError: another writer holds the durable tier's lease (nothing deleted).
         """
         self._check_open()
         if step not in self.all_steps():

@@ -3,97 +3,72 @@
 Multi-level checkpointing (LLNL's SCR; Orbax's emergency checkpoint manager): a save commits to
 the fast local tier as before, then a background thread copies the committed step to durable
 storage (an object store through TensorStore, ``s3://bucket/run``, ``gs://...``, or a path on a
-shared file system). Layout of the durable tier, one prefix per step::
-
-    <durable>/<step>/...                          every file of the local step directory
-    <durable>/<step>/state/cocijax-stripe-*/p*    the state's pieces (zarr v3), from every root
-    <durable>/<step>/cocijax_step.json            the other files, with sizes and xxh3_64
-    <durable>/<step>/state/cocijax_manifest.json  written last: the step is committed
+shared file system), one prefix per step (``_tier_layout``).
 
 Only what an object store promises is assumed: a PUT makes one whole object appear; there is
 no rename, no fsync, no directory. So a step is committed on the durable tier when its state
 manifest exists, and that object is written after every other object of the step was written
-and the pieces' listing checked; a drain killed half-way leaves a prefix without it, which is
-not listed and is removed by the next garbage collection (and a new drain of the step first
-removes it). Deleting a step removes its manifest first, so a step is never listed without its
-data.
+and the pieces' listing checked. Deleting a step removes its manifest first, so a step is never
+listed without its data.
+
+**One writer.** The drain thread holds the tier's lease (``_tier_lease``) before it writes or
+deletes anything, and reads it again before each commit. Nothing is ever deleted that holds a
+manifest, except by retention (``durable_max_to_keep``, the newest never) or ``delete``. A step
+already committed by another writer is never replaced: its drain is skipped, logged at ERROR.
+A drain that fails removes its own uncommitted prefix at once (a full store that empties
+again costs that drain, not every later one); errors that may pass are retried with backoff.
+
+**Unknown is not empty.** A tier that cannot be listed when the manager opens raises
+:class:`DurableTierError`: its steps may be newer than the local ones. Afterwards a failed
+listing keeps the last one (a bucket that is gone lists as empty), a drain that fails lists the
+tier again, and a read of a step that is no longer there lists it again.
+
+**Bounded waits.** Each request of the tier's own waits at most ``timeout_s``; ``close`` and
+``wait`` give up on a drain that made no progress (no object written) for ``timeout_s``,
+saying which step is abandoned (it stays on the local tier).
 
 The drain never stalls training: ``save`` only hands the step over (:meth:`DurableTier.offer`).
 One step is drained at a time; when more steps commit while a drain runs, only the newest is
 drained next (the skipped ones are logged and counted in :attr:`DurableTier.skipped`). The step
-being drained and the one waiting are *pinned*: local retention does not delete them until
-their drain ends.
+being drained and the one waiting are *pinned*: local retention does not delete them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint as ocp
-import xxhash
-
 from cocijax import storage
-from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM, STEP_RE
-from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
+from cocijax.manager._directory import STATE_ITEM
+from cocijax.manager._tier_layout import (
+    COMMIT_KEY,
+    STEP_FILES,
+    make_record,
+    read_record,
+    scan,
+    scan_within,
+)
+from cocijax.manager._tier_lease import Lease, LeaseError
+from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
+from cocijax.manager._tier_read import restore_step
 
-__all__ = ["STEP_FILES", "DurableOptions", "DurableTier", "DurableTierError", "pin_steps"]
+__all__ = ["DurableOptions", "DurableTier", "DurableTierError", "open_durable"]
 
 log = logging.getLogger(__name__)
 
-STEP_FILES = "cocijax_step.json"
-"""The durable step's record of its files other than the pieces (path, size, xxh3_64)."""
-_STEP_FORMAT = "cocijax-durable-step"
 # Local files that are the state item's own commit record or data: copied by copy_item.
 _STATE_OWN = (storage.MANIFEST_NAME, "cocijax_manifest.part-")
 # How often the drain thread looks for the local commit of the step it waits for (one stat).
 _POLL_S = 0.005
 
 
-class DurableTierError(RuntimeError):
-    """A step could not be drained to the durable tier (names the step and the URL)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DurableOptions:
-    """What a :class:`DurableTier` is opened with: fixed for its life, so that the drain thread
-    reads them without the lock that guards the tier's changing state.
-
-    Attributes:
-      local: the local checkpoint directory.
-      step_name: the local step directory name of a step (Orbax's name format).
-      every: drain every ``every``-th committed step (1: all of them).
-      max_to_keep: committed steps kept on the durable tier (``None``: all); the newest is
-        never deleted.
-      writer: this process drains and collects garbage (the primary writer); otherwise the
-        tier is only listed and read.
-      store_options: TensorStore kvstore options for an object store (``endpoint``, ...).
-      source_options: kvstore options of the local tier's roots when they are on an object
-        store themselves (the handler's ``root_options``).
-      memory_bytes: piece data held in memory by a drain at once; between drains the tier
-        keeps up to this much of host buffers faulted in for the next drain.
-      clock: seconds, for the measured drain time.
-    """
-
-    local: Path
-    step_name: Callable[[int], str]
-    every: int
-    max_to_keep: int | None
-    writer: bool
-    store_options: Mapping[str, Any] | None = None
-    source_options: Mapping[str, Any] | None = None
-    memory_bytes: int = 512 << 20
-    clock: Callable[[], float] = time.monotonic
+class _AlreadyCommitted(Exception):
+    """The step is committed on the durable tier already (by another writer): not replaced."""
 
 
 class DurableTier:
@@ -106,14 +81,23 @@ class DurableTier:
 
     def __init__(self, where: str | os.PathLike, options: DurableOptions):
         self.root = storage.KvPath.parse(where, options.store_options)
+        self.root = self.root.with_timeout(options.timeout_s)
         self.options = options
+        self._lease = Lease(
+            self.root,
+            owner=options.owner,
+            directory=str(options.local),
+            duration_s=options.lease_duration_s,
+        )
         self._cond = threading.Condition()
-        self._steps: set[int] | None = None  # committed durable steps; None: not yet listed
+        self._steps: set[int] = set()  # committed durable steps, as last listed or drained
         self._offered: int | None = None  # the newest step waiting to be drained
         self._draining: int | None = None
         self._local_settled = True  # no local save in flight (the manager waited for it)
         self._since_offer = 0  # commits since the last offered one (durable_every)
         self._errors: list[DurableTierError] = []
+        self._progress_at = time.monotonic()  # the drain's last sign of life
+        self._abandoned = False  # close() gave up on the drain: it must commit nothing
         self.skipped: list[int] = []
         self.drain_s = math.nan
         self._closed = False
@@ -131,50 +115,88 @@ class DurableTier:
         """Lists the tier and, as the writer, drains the newest local step if it is newer.
 
         A previous run killed during a drain left the newest local step undrained (and maybe
-        a prefix without a manifest, which that drain removes first). A durable tier that
-        cannot be listed now is logged, not raised: training goes on locally.
+        a prefix without a manifest, which that drain removes first).
+
+        Raises:
+          DurableTierError: the tier cannot be listed (or, as the writer, written) within
+            ``timeout_s``: its steps may be newer than the local ones (names the URL, the
+            cause and what to do).
         """
-        self.refresh()
+        self._steps = set(self._list_at_open(local_newest))
         if not self.options.writer:
             return
         self._thread = threading.Thread(target=self._run, name="cocijax-drain", daemon=True)
         self._thread.start()
-        newest = max(self._steps or (), default=None)
+        newest = max(self._steps, default=None)
         if local_newest is not None and (newest is None or local_newest > newest):
             log.info(
                 "%s: step %d is not on the durable tier yet: draining it", self.url, local_newest
             )
             self.offer(local_newest, force=True)
 
-    def refresh(self) -> list[int]:
-        """Lists the committed steps on the durable tier (a LIST of its objects).
+    def _list_at_open(self, local_newest: int | None) -> list[int]:
+        timeout = self.options.timeout_s
+        try:
+            return scan_within(self.root, timeout, writable=self.options.writer)
+        except (ValueError, OSError) as e:
+            raise DurableTierError(
+                f"durable={self.url!r}: the durable tier cannot be "
+                f"{'listed or written' if self.options.writer else 'listed'} "
+                f"({storage.describe_error(e)}). Its steps may be newer than the local ones in "
+                f"{self.options.local} (newest local step: {local_newest}), so the manager does "
+                "not open on the local steps alone. Fix the endpoint, bucket or credentials "
+                "(durable_options) and open again"
+                + (f", or raise store_timeout_s (now {timeout:g} s)" if timeout else "")
+                + "; to go on from the local steps only, open without durable=."
+            ) from e
 
-        A tier that cannot be listed (after TensorStore's retries) counts as empty until the
-        next listing succeeds (after the next drain), so that callers do not wait for the
-        retries again at every call.
+    def refresh(self) -> list[int]:
+        """Lists the committed steps on the durable tier again (a LIST of its objects).
+
+        A bucket that no longer exists lists as empty.
+
+        Raises:
+          ValueError, OSError: the tier cannot be listed (the last listing is kept).
         """
         try:
-            steps = set(scan(self.root)[0])
+            committed = scan(self.root)[0]
         except (ValueError, OSError) as e:
-            log.warning(
-                "%s: cannot list the durable tier (%s); listed again after the next drain",
-                self.url,
-                e,
-            )
-            with self._cond:
-                if self._steps is None:
-                    self._steps = set()
-                return sorted(self._steps)
+            if not storage.is_missing_bucket(e):
+                raise
+            log.error("%s: the bucket is gone: the durable tier holds no step now", self.url)
+            committed = []
         with self._cond:
-            self._steps = steps
-        return sorted(steps)
+            self._steps = set(committed)
+        return committed
+
+    def _refresh_quietly(self, why: str) -> None:
+        try:
+            self.refresh()
+        except (ValueError, OSError) as e:
+            log.warning("%s: cannot list the durable tier after %s (%s)", self.url, why, e)
+
+    def refreshed_steps(self) -> list[int]:
+        """:meth:`steps` listed again (the last listing when the tier cannot be listed now)."""
+        self._refresh_quietly("a step was asked for that it did not list")
+        return self.steps()
 
     def steps(self) -> list[int]:
         """The steps committed on the durable tier, oldest first (as last listed or drained)."""
-        if self._steps is None:
-            return self.refresh()
         with self._cond:
             return sorted(self._steps)
+
+    def vanished(self, step: int) -> bool:
+        """Whether a listed step is no longer committed (deleted by the writer, or the store
+        lost it): then the tier is listed again. ``False`` when the store cannot tell."""
+        try:
+            gone = (self.root / str(step) / COMMIT_KEY).read_bytes() is None
+        except (ValueError, OSError):
+            return False
+        if gone:
+            self._refresh_quietly(f"step {step} vanished")
+            with self._cond:
+                self._steps.discard(step)
+        return gone
 
     def pinned(self) -> set[int]:
         """Steps local retention must keep for now: the one being drained and the next."""
@@ -214,17 +236,22 @@ class DurableTier:
             self._local_settled = True
             self._cond.notify_all()
 
+    def _touch(self) -> None:
+        self._progress_at = time.monotonic()
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while self._offered is None and not self._closed:
                     self._cond.wait()
-                if self._offered is None:
+                if self._offered is None or self._abandoned:
                     return
                 step, self._offered, self._draining = self._offered, None, self._offered
+                self._touch()
             try:
                 if self._wait_for_local_commit(step):
-                    self._drain(step)
+                    self._acquire_lease(step)
+                    self._drain_with_retries(step)
                     self._collect_after_drain()
             except Exception as e:  # any failure is this step's: reported, training goes on
                 error = DurableTierError(
@@ -234,6 +261,7 @@ class DurableTier:
                 log.error("%s", error)
                 with self._cond:
                     self._errors.append(error)
+                self._refresh_quietly("a failed drain")
             finally:
                 with self._cond:
                     self._draining = None
@@ -253,11 +281,63 @@ class DurableTier:
                 self._cond.wait(_POLL_S)
         return True
 
+    def _acquire_lease(self, step: int) -> None:
+        def waiting(holder: str) -> None:
+            log.warning(
+                "%s: step %d waits (up to %g s) for the durable tier's lease, held by %s",
+                self.url,
+                step,
+                self.options.lease_wait_bound_s,
+                holder,
+            )
+
+        self._lease.acquire(self.options.lease_wait_bound_s, waiting=waiting)
+        self._touch()
+
+    def _drain_with_retries(self, step: int) -> None:
+        """Drains ``step``, trying again (with backoff) after failures that may pass."""
+        delay = self.options.backoff_s
+        for attempt in range(1, self.options.attempts + 1):
+            try:
+                self._drain(step)
+                return
+            except _AlreadyCommitted:
+                return
+            except Exception as e:
+                self._clean_failed(step)
+                last = attempt == self.options.attempts or self._abandoned
+                if last or not storage.is_transient(e) or isinstance(e, LeaseError):
+                    raise
+                log.warning(
+                    "%s: drain of step %d failed (attempt %d of %d: %s); trying again in %g s",
+                    self.url,
+                    step,
+                    attempt,
+                    self.options.attempts,
+                    storage.describe_error(e),
+                    delay,
+                )
+            time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
+            delay *= 2
+
+    def _clean_failed(self, step: int) -> None:
+        """Removes what a failed drain of ``step`` wrote, if the step is not committed and this
+        writer still holds the lease (another writer's objects are never touched)."""
+        prefix = self.root / str(step)
+        try:
+            if self._lease.held and (prefix / COMMIT_KEY).read_bytes() is None:
+                prefix.delete_all()
+                log.info("%s: removed the uncommitted objects of step %d", self.url, step)
+        except (ValueError, OSError) as e:  # left for the next garbage collection
+            log.warning("%s: cannot remove what the drain of step %d left (%s)", self.url, step, e)
+
     def _drain(self, step: int) -> None:
         start = self.options.clock()
         source = self._local_step(step)
         dest = self.root / str(step)
-        if dest.list():  # an earlier, interrupted drain: never committed, so start afresh
+        if (dest / COMMIT_KEY).read_bytes() is not None:
+            self._skip_committed(step, dest)
+        if dest.list():  # an interrupted drain's objects, never committed: start afresh
             dest.delete_all()
         others = {}
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
@@ -268,7 +348,7 @@ class DurableTier:
                 continue  # the state's pieces and manifest: copy_item's, manifest last
             others[rel.as_posix()] = path.read_bytes()
         dest.write_many(others)
-        files = [{"path": k, "size": len(v), "xxh3_64": _digest(v)} for k, v in others.items()]
+        self._touch()
         copied = storage.copy_item(
             source / STATE_ITEM,
             dest / STATE_ITEM,
@@ -277,57 +357,122 @@ class DurableTier:
             memory_bytes=self.options.memory_bytes,
             commit=False,
             buffers=self._buffers,
+            progress=self._touch,
         )
-        record = {"format": _STEP_FORMAT, "version": 1, "step": step, "files": files}
-        (dest / STEP_FILES).write_bytes(json.dumps(record).encode())
-        # The commit: the state manifest, after every other object of the step is there.
         manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
+        # The commit: the record, then the state manifest, after every other object is there,
+        # and only while this writer holds the lease for longer than the two writes can take.
+        if self._abandoned:
+            raise DurableTierError("abandoned by close(): not committed")
+        self._lease.check(margin_s=self.options.lease_duration_s / 2)
+        (dest / STEP_FILES).write_bytes(make_record(step, others, self.options.owner))
         storage.write_manifest(dest / STATE_ITEM, manifest)
         elapsed = self.options.clock() - start
         with self._cond:
-            if self._steps is not None:
-                self._steps.add(step)
+            self._steps.add(step)
             self.drain_s = elapsed
         log.info(
             "%s: step %d drained (%.1f MiB of pieces, %d other files) in %.2f s",
             self.url,
             step,
             copied.bytes / 2**20,
-            len(files),
+            len(others),
             elapsed,
         )
 
-    def wait(self, *, raise_errors: bool) -> None:
-        """Blocks until no step waits or drains; then raises the first drain error, if asked
-        (otherwise the errors are kept for the next call that asks).
+    def _skip_committed(self, step: int, dest: storage.KvPath) -> None:
+        try:
+            owner = read_record(dest, step).owner
+        except (storage.CorruptCheckpointError, ValueError, OSError) as e:
+            owner = f"unknown ({e})"
+        log.error(
+            "%s: step %d is committed on the durable tier already, drained by %s: not replaced "
+            "(this writer's step %d stays on the local tier only)",
+            dest.url,
+            step,
+            owner,
+            step,
+        )
+        with self._cond:
+            self._steps.add(step)
+        raise _AlreadyCommitted(step)
+
+    def wait(self, *, raise_errors: bool) -> int | None:
+        """Blocks until no step waits or drains, or the drain made no progress for
+        ``timeout_s``; then raises the first drain error, if asked (otherwise the errors are
+        kept for the next call that asks).
+
+        Returns:
+          The step whose drain stalled (``None``: every drain ended).
 
         Raises:
           DurableTierError: a drain failed since the errors were last raised (the others are
-            in its notes).
+            in its notes), or, with ``raise_errors``, the drain stalled.
         """
+        stalled = self._wait_idle()
+        if stalled is not None:
+            if raise_errors:
+                raise DurableTierError(
+                    f"{self.url}: the drain of step {stalled} made no progress for "
+                    f"{self.options.timeout_s:g} s (store_timeout_s): the store does not "
+                    "answer, or the drain waits for another writer's lease (see the log); it "
+                    "goes on in the background."
+                )
+            return stalled
+        if raise_errors:
+            with self._cond:
+                errors, self._errors = self._errors, []
+            if errors:
+                first = errors[0]
+                for other in errors[1:]:
+                    first.add_note(f"also: {other}")
+                raise first
+        return None
+
+    def _wait_idle(self) -> int | None:
+        timeout = self.options.timeout_s
         with self._cond:
             while self._offered is not None or self._draining is not None:
-                self._cond.wait()
-            if not raise_errors:
-                return
-            errors, self._errors = self._errors, []
-        if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                first.add_note(f"also: {other}")
-            raise first
+                if timeout is None:
+                    self._cond.wait()
+                    continue
+                left = self._progress_at + timeout - time.monotonic()
+                if left <= 0:
+                    return self._draining if self._draining is not None else self._offered
+                self._cond.wait(left)
+        return None
 
     def close(self) -> None:
-        """Finishes the drain in progress and the waiting one, then stops the thread."""
+        """Finishes the drain in progress and the waiting one, then stops the thread.
+
+        A drain that makes no progress for ``timeout_s`` is abandoned (logged, naming the
+        steps not drained): it commits nothing, and the lease is left to expire.
+        """
         if self._thread is None:
             return
         self.settle()
-        self.wait(raise_errors=False)
+        stalled = self.wait(raise_errors=False)
         with self._cond:
+            if stalled is not None:
+                self._abandoned = True
+                left = sorted({s for s in (self._draining, self._offered) if s is not None})
+                self._offered = None
             self._closed = True
             self._cond.notify_all()
+        if stalled is not None:
+            log.warning(
+                "%s: close(): abandoning the drain of step(s) %s: no progress for %g s "
+                "(store_timeout_s). Not on the durable tier; still in %s.",
+                self.url,
+                left,
+                self.options.timeout_s,
+                self.options.local,
+            )
+            self._lease.release(delete=False)  # expires by itself: the drain may still write
+            return
         self._thread.join()
         self._thread = None
+        self._lease.release()
         self._buffers.clear()
 
     # -- garbage collection and deletion ------------------------------------------------------
@@ -336,13 +481,13 @@ class DurableTier:
         # A failed collection is not the drained step's failure: said, and tried again later.
         try:
             self.collect_garbage()
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, LeaseError) as e:
             log.warning("%s: garbage collection failed (%s); will try again", self.url, e)
 
     def collect_garbage(self) -> None:
         """Deletes committed steps beyond ``max_to_keep`` (never the newest) and the prefixes of
-        drains that never committed (except the one in progress)."""
-        if not self.options.writer:
+        drains that never committed (except the one in progress); only as the lease holder."""
+        if not self.options.writer or not self._lease.held:
             return
         committed, incomplete = scan(self.root)
         with self._cond:
@@ -353,230 +498,67 @@ class DurableTier:
                 log.info(
                     "%s: removing step %d, never committed (an interrupted drain)", self.url, step
                 )
+                self._lease.check(margin_s=0)
                 (self.root / str(step)).delete_all()
         if self.options.max_to_keep is not None:
             for step in committed[: -max(self.options.max_to_keep, 1)]:
                 self.delete(step)
 
     def delete(self, step: int) -> None:
-        """Deletes a durable step: its manifest first, so it is never listed without its data."""
+        """Deletes a durable step: its manifest first, so it is never listed without its data.
+
+        Raises:
+          DurableTierError: another writer holds the tier's lease.
+        """
+        try:
+            self._lease.acquire(0)
+        except LeaseError as e:
+            raise DurableTierError(f"cannot delete step {step}: {e}") from e
         prefix = self.root / str(step)
-        (prefix / STATE_ITEM / storage.MANIFEST_NAME).delete()
+        (prefix / COMMIT_KEY).delete()
         with self._cond:
-            if self._steps is not None:
-                self._steps.discard(step)
+            self._steps.discard(step)
         prefix.delete_all()
 
     # -- restoring --------------------------------------------------------------------------
 
     def restore(self, step: int, items: dict[str, Any]) -> Any:
-        """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of ``step``.
-
-        The step's files other than pieces are downloaded into a temporary directory (and
-        checked); the state's pieces are read from the durable tier.
-        """
-        with tempfile.TemporaryDirectory(prefix="cocijax-durable-") as tmp:
-            local, pieces = self.stage(step, Path(tmp))
-            if STATE_ITEM in items:
-                state = dataclasses.replace(items[STATE_ITEM], roots=[pieces])
-                items = {**items, STATE_ITEM: state}
-            handler = ocp.CompositeCheckpointHandler(handler_registry=self._registry())
-            with ocp.Checkpointer(handler) as checkpointer:
-                return checkpointer.restore(local, args=ocp.args.Composite(**items))
-
-    def _registry(self) -> ocp.handlers.CheckpointHandlerRegistry:
-        # Pieces on the durable tier are read with its options; the policy item as locally.
-        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state = storage.StripedCheckpointHandler(root_options=self.options.store_options)
-        registry.add(STATE_ITEM, storage.StripedRestore, state)
-        registry.add(POLICY_ITEM, PolicyStateRestore, PolicyStateHandler())
-        return registry
-
-    def stage(self, step: int, into: Path) -> tuple[Path, storage.KvPath]:
-        """Downloads a durable step's files other than pieces into ``into``; checks them.
-
-        Orbax's handlers read items from local files; the state's pieces stay where they are
-        and are read from the durable tier by TensorStore (``StripedRestore(roots=...)``), only
-        those the restore needs.
-
-        Returns:
-          The local step directory, and the durable state item (where the pieces are).
-
-        Raises:
-          FileNotFoundError: the step is not committed on the durable tier.
-          CorruptCheckpointError: a file is missing or differs from the step's record.
-        """
-        prefix = self.root / str(step)
-        local = into / str(step)
-        manifest = (prefix / STATE_ITEM / storage.MANIFEST_NAME).read_bytes()
-        if manifest is None:
-            raise FileNotFoundError(f"step {step} is not committed on the durable tier {self.url}.")
-        shutil.rmtree(local, ignore_errors=True)
-        for path, data, problem in step_files(prefix):
-            if problem is not None:
-                raise storage.CorruptCheckpointError(problem.message)
-            target = local / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        (local / STATE_ITEM).mkdir(parents=True, exist_ok=True)
-        (local / STATE_ITEM / storage.MANIFEST_NAME).write_bytes(manifest)
-        return local, prefix / STATE_ITEM
-
-
-def _digest(data: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def scan(root: storage.KvPath) -> tuple[list[int], list[int]]:
-    """A durable tier's committed steps, and its step prefixes without a manifest (drains that
-    never committed), both sorted, from one listing.
-
-    Raises:
-      ValueError, OSError: the tier cannot be listed (TensorStore's error, naming it).
-    """
-    seen: set[int] = set()
-    committed: set[int] = set()
-    manifest = f"{STATE_ITEM}/{storage.MANIFEST_NAME}"
-    for key in root.list():
-        head, _, rest = key.partition("/")
-        if STEP_RE.match(head):
-            seen.add(int(head))
-            if rest == manifest:
-                committed.add(int(head))
-    return sorted(committed), sorted(seen - committed)
-
-
-def step_files(prefix: storage.KvPath) -> list[tuple[str, bytes | None, storage.Problem | None]]:
-    """Each file a durable step records besides its pieces: ``(path, data, problem)``.
-
-    ``problem`` is ``None`` when the file has the size and xxh3_64 its record says (a missing
-    or unreadable record is one problem).
-    """
-    record_path = prefix / STEP_FILES
-    try:
-        files = json.loads(record_path.read_text())["files"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        return [(STEP_FILES, None, storage.Problem("", str(record_path), f"{record_path}: {e}"))]
-    out = []
-    datas = prefix.read_many([entry["path"] for entry in files])
-    for entry in files:
-        where = prefix / entry["path"]
-        data = datas[entry["path"]]
-        problem = None
-        if data is None or len(data) != entry["size"] or _digest(data) != entry["xxh3_64"]:
-            found = "missing" if data is None else f"{len(data)} bytes, xxh3_64 {_digest(data)}"
-            problem = storage.Problem(
-                "",
-                str(where),
-                f"{where}: expected {entry['size']} bytes with xxh3_64 {entry['xxh3_64']}, "
-                f"found {found}.",
-            )
-        out.append((entry["path"], data, problem))
-    return out
-
-
-def verify_durable_step(
-    root: storage.KvPath, step: int, *, root_options: Mapping[str, Any] | None = None
-) -> list[storage.Problem]:
-    """Every problem of a committed durable step: its pieces (``storage.verify``) and its other
-    files (sizes and xxh3_64 against its record)."""
-    prefix = root / str(step)
-    problems = [p for _, _, p in step_files(prefix) if p is not None]
-    return problems + storage.verify(prefix / STATE_ITEM, root_options=root_options)
-
-
-class _Pinned:
-    """An Orbax preservation policy that keeps the steps the drain still needs."""
-
-    def __init__(self, pinned: Callable[[], set[int]]):
-        self._pinned = pinned
-
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any = None) -> Sequence[bool]:
-        del context
-        pinned = self._pinned()
-        return [info.step in pinned for info in checkpoints]
-
-
-def pin_steps(
-    options: ocp.CheckpointManagerOptions, pinned: Callable[[], set[int]]
-) -> ocp.CheckpointManagerOptions:
-    """Orbax options whose retention also keeps the ``pinned()`` steps (until unpinned).
-
-    ``max_to_keep``, ``keep_period`` and ``keep_time_interval`` become the preservation policy
-    Orbax would build from them, combined with one that keeps the pinned steps.
-    """
-    base = options.preservation_policy
-    if base is None:
-        parts: list[Any] = [ocp.checkpoint_managers.LatestN(n=options.max_to_keep)]
-        if options.keep_period is not None:
-            parts.append(ocp.checkpoint_managers.EveryNSteps(options.keep_period))
-        if options.keep_time_interval is not None:
-            seconds = int(options.keep_time_interval.total_seconds())
-            parts.append(ocp.checkpoint_managers.EveryNSeconds(interval_secs=seconds))
-        base = ocp.checkpoint_managers.AnyPreservationPolicy(parts)
-    return dataclasses.replace(
-        options,
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy([base, _Pinned(pinned)]),
-        max_to_keep=None,
-        keep_period=None,
-        keep_time_interval=None,
-    )
-
-
-def manager_root(
-    root: str | os.PathLike, options: Mapping[str, Any] | None
-) -> Path | storage.KvPath:
-    """A manager's root: an absolute local path, or an object-store prefix (``s3://...``)."""
-    if storage.is_url(root):
-        where = storage.KvPath.parse(root, options)
-        return Path(where.key) if where.is_local else where
-    return Path(root).absolute()
+        """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of
+        ``step`` (see :func:`~cocijax.manager._tier_read.restore_step`)."""
+        return restore_step(self.root, step, items, self.options.store_options)
 
 
 def open_durable(
     durable: str | os.PathLike | None,
-    options: Mapping[str, Any] | None,
+    options: dict[str, Any] | None,
     *,
     every: int,
     max_to_keep: int | None,
+    timeout_s: Any = 30.0,
     **kwargs: Any,
 ) -> DurableTier | None:
     """The durable tier of a manager (``None`` without one), its arguments checked.
 
     Args:
       durable: the manager's ``durable``; ``options`` its ``durable_options``, ``every`` its
-        ``durable_every`` and ``max_to_keep`` its ``durable_max_to_keep``.
+        ``durable_every``, ``max_to_keep`` its ``durable_max_to_keep`` and ``timeout_s`` its
+        ``store_timeout_s``.
       **kwargs: the other :class:`DurableOptions`.
 
     Raises:
-      TypeError: ``durable`` is not a path or URL, ``durable_every``/``durable_max_to_keep``
-        not ints, ``durable_options`` not a dict.
-      ValueError: ``durable_every`` < 1, ``durable_max_to_keep`` < 1, an unsupported URL
-        scheme, or options TensorStore refuses; ``durable_options`` without ``durable``.
+      TypeError, ValueError: see :func:`~cocijax.manager._tier_options.check_durable_args`;
+        ValueError also for an unsupported URL scheme or options TensorStore refuses.
     """
-    for name, value, low, none_ok in (
-        ("durable_every", every, 1, False),
-        ("durable_max_to_keep", max_to_keep, 1, True),
-    ):
-        if value is None and none_ok:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int, got {value!r}.")
-        if value < low:
-            raise ValueError(
-                f"{name}: must be >= {low}, got {value}"
-                + ("; the durable tier always keeps its newest step." if none_ok else ".")
-            )
+    timeout_s = check_durable_args(durable, options, every, max_to_keep, timeout_s)
     if durable is None:
-        if options:
-            raise ValueError("durable_options: given without durable=; pass the durable URL.")
         return None
-    if not isinstance(durable, str | os.PathLike):
-        raise TypeError(
-            f"durable: expected a path or an object-store URL (s3://bucket/prefix), got "
-            f"{type(durable).__name__}."
-        )
-    tier = DurableOptions(store_options=options, every=every, max_to_keep=max_to_keep, **kwargs)
+    tier = DurableOptions(
+        store_options=options,
+        every=every,
+        max_to_keep=max_to_keep,
+        timeout_s=timeout_s,
+        **kwargs,
+    )
     try:
         return DurableTier(durable, tier)
     except (TypeError, ValueError) as e:

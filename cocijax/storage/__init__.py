@@ -19,7 +19,15 @@ from cocijax._files import fsync_dir, make_dirs
 from cocijax.storage._copy import BufferPool, CopyStats, copy_item
 from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
-from cocijax.storage._kvpath import KvPath, is_url
+from cocijax.storage._kvpath import (
+    KvPath,
+    StoreTimeoutError,
+    describe_error,
+    is_missing_bucket,
+    is_transient,
+    is_url,
+    probe_writable,
+)
 from cocijax.storage._manifest import (
     MANIFEST_NAME,
     STRIPE_PREFIX,
@@ -53,6 +61,7 @@ __all__ = [
     "Manifest",
     "PieceRecord",
     "Problem",
+    "StoreTimeoutError",
     "StripedCheckpointHandler",
     "StripedRestore",
     "StripedSave",
@@ -60,10 +69,14 @@ __all__ = [
     "check_digest",
     "check_tree",
     "copy_item",
+    "describe_error",
     "find_stripe_dirs",
     "fsync_dir",
+    "is_missing_bucket",
+    "is_transient",
     "is_url",
     "make_dirs",
+    "probe_writable",
     "read_manifest",
     "referenced_stripe_dirs",
     "remove_tree",

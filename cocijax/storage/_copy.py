@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -113,6 +113,7 @@ def copy_item(
     concurrency: int = 32,
     commit: bool = True,
     buffers: BufferPool | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> CopyStats:
     """Copies the committed item ``source`` to ``dest``, checking every checksum.
 
@@ -130,6 +131,8 @@ def copy_item(
         :func:`write_manifest` with the returned manifest's :meth:`Manifest.in_item_dir`.
       buffers: where to take the host buffers pieces are read into, and give them back to;
         default: a pool of this copy's own (see :class:`BufferPool`).
+      progress: called after each piece file is written (a caller's watchdog: the copy is
+        making progress).
 
     Returns:
       What was copied.
@@ -205,6 +208,8 @@ def copy_item(
                     if buffer is not None:  # written or failed: nothing uses it any more
                         host_buffers.give_back(buffer)
                 reader.forget((first.root, first.file))
+                if progress is not None:
+                    progress()
                 grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
                 chunks = _write.grid_size(metadata["shape"], grid)
                 return first.file, data.nbytes, chunks

@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import tempfile
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -94,6 +93,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         reuse_host_buffers: bool = True,
         write_while_copying: bool = False,
         multiprocessing_options: options_lib.MultiprocessingOptions | None = None,
+        store_timeout_s: float | None = 30.0,
     ):
         """Creates the handler and checks that every root can be written.
 
@@ -139,13 +139,18 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             copy alone, as Orbax's handlers do.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.
+          store_timeout_s: the longest the probe of an object-store root may wait for an
+            answer (``None``: no bound but TensorStore's retries). An unreachable endpoint, a
+            missing bucket or missing credentials fail within it, naming the root and the
+            cause.
 
         Raises:
           TypeError: ``roots`` is a single string or path instead of a sequence, or
             ``root_options`` is not a dict.
           ValueError: two roots are the same directory, a root cannot be created or written
-            (on an object store: a probe object cannot be written and deleted), an unsupported
-            URL scheme, options TensorStore refuses, or an option is out of range.
+            (on an object store: a probe object cannot be written and deleted within
+            ``store_timeout_s``), an unsupported URL scheme, options TensorStore refuses, or
+            an option is out of range.
         """
         if isinstance(roots, str | os.PathLike):
             raise TypeError(
@@ -156,7 +161,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         for i, root in enumerate(roots):
             path = _kvpath.location(root, root_options)
             if isinstance(path, KvPath):
-                _check_writable_object_store(path, f"roots[{i}]")
+                _check_writable_object_store(path, f"roots[{i}]", store_timeout_s)
             else:
                 path = path.expanduser().absolute()
                 _check_writable(path, f"roots[{i}]")
@@ -564,14 +569,11 @@ def _check_writable(path: pathlib.Path, name: str) -> None:
         raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
 
 
-def _check_writable_object_store(path: KvPath, name: str) -> None:
+def _check_writable_object_store(path: KvPath, name: str, timeout_s: float | None) -> None:
     # The same promise as for a local root: a root that cannot be written fails here, naming
     # it, not at the first save (a wrong endpoint, bucket or credentials).
-    probe = path / f".cocijax-probe-{uuid.uuid4().hex}"
     try:
-        # Not empty: a GCS emulator (gcp-storage-emulator) fails an empty media upload.
-        probe.write_bytes(b"cocijax")
-        probe.delete()
+        _kvpath.probe_writable(path, timeout_s)
     except (ValueError, OSError) as e:  # TensorStore raises ValueError for I/O failures
         raise ValueError(f"{name}={path.url!r} cannot be written: {e}.") from e
 

@@ -7,6 +7,12 @@ promises is assumed: a whole object appears at once when its PUT succeeds; there
 no fsync and no directory. A :class:`KvPath` carries the kvstore options it was opened with
 (``endpoint``, ``aws_region``, ``aws_credentials``, ...): they are connection settings, never
 written into a manifest, which records only the URL.
+
+Every wait of a :class:`KvPath`'s own operations is bounded by its ``timeout_s``: TensorStore
+retries a failing request for minutes by default (``s3_request_retries``: 32 attempts, up to
+32 s apart), resolves an S3 bucket's region without any bound, and a server that accepts a
+connection but never answers holds a request until curl's low-speed limit. A wait that passes
+its deadline raises :class:`StoreTimeoutError` naming the URL; the request is cancelled.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import pathlib
 import re
 import shutil
 import urllib.parse
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +36,15 @@ DRIVERS = {"s3": "s3", "gs": "gcs"}
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # kvstore members a caller may not override through options: they come from the URL.
 _FROM_URL = ("driver", "bucket", "path")
+# TensorStore's retry resource of each driver, and the short retries a probe uses (when the
+# caller set none): a closed port or a missing bucket then fails with its own cause within a
+# second, instead of being retried until the deadline hides it.
+_RETRIES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries"}
+_PROBE_RETRIES = {"max_retries": 3, "initial_delay": "100ms", "max_delay": "1s"}
+
+
+class StoreTimeoutError(TimeoutError):
+    """An object store did not answer within the deadline (names the URL and the wait)."""
 
 
 def is_url(value: Any) -> bool:
@@ -48,6 +64,8 @@ class KvPath:
       key: the key prefix inside the bucket, without leading or trailing ``/`` (for
         ``"file"``, the absolute directory).
       options: further kvstore spec members, as JSON text (hashable).
+      timeout_s: the longest any single wait of this path's operations may take (``None``:
+        TensorStore's own retries alone bound it).
 
     Example:
       >>> p = KvPath.parse("s3://bucket/run42", {"endpoint": "http://127.0.0.1:9000"})
@@ -61,6 +79,7 @@ class KvPath:
     bucket: str
     key: str
     options: str = "{}"
+    timeout_s: float | None = None
 
     @classmethod
     def parse(cls, value: str | os.PathLike, options: Mapping[str, Any] | None = None) -> KvPath:
@@ -94,6 +113,36 @@ class KvPath:
 
     def with_options(self, options: Mapping[str, Any] | None) -> KvPath:
         return dataclasses.replace(self, options=_options_json(options, self.url, self.driver))
+
+    def with_timeout(self, timeout_s: float | None) -> KvPath:
+        """This prefix, each of its waits bounded by ``timeout_s`` seconds."""
+        return dataclasses.replace(self, timeout_s=timeout_s)
+
+    def for_probe(self) -> KvPath:
+        """This prefix with short request retries (unless its options set them): a probe
+        reports why a store cannot be reached within a second, not after minutes of retries."""
+        resource = _RETRIES.get(self.driver)
+        options = json.loads(self.options)
+        context = dict(options.get("context") or {})
+        if resource is None or resource in context:
+            return self
+        context[resource] = _PROBE_RETRIES
+        return dataclasses.replace(self, options=json.dumps({**options, "context": context}))
+
+    def wait(self, future: Any, what: str) -> Any:
+        """The result of a TensorStore future of this path, waited for at most ``timeout_s``.
+
+        Raises:
+          StoreTimeoutError: no result within ``timeout_s`` (the future is cancelled).
+        """
+        try:
+            return future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise StoreTimeoutError(
+                f"{self.url}: {what}: no answer within {self.timeout_s:g} s (an endpoint that "
+                "cannot be reached or does not answer, or requests retried for that long)"
+            ) from None
 
     @property
     def url(self) -> str:
@@ -149,14 +198,14 @@ class KvPath:
     def open(self) -> ts.KvStore:
         """Opens the kvstore at this prefix (keys are relative to it), in one context shared by
         the process: its resources (connections, the credential provider) are made once."""
-        return ts.KvStore.open(self.spec(), context=_shared_context()).result()
+        return self.wait(ts.KvStore.open(self.spec(), context=_shared_context()), "open")
 
     # Synchronous helpers for small objects (manifests, JSON items); pieces go through zarr3.
 
     def read_bytes(self) -> bytes | None:
         """The object at this key, or ``None`` when it does not exist."""
         parent, name = self.split()
-        result = parent.open().read(name).result()
+        result = self.wait(parent.open().read(name), "read")
         return None if result.state == "missing" else bytes(result.value)
 
     def read_text(self) -> str:
@@ -173,21 +222,21 @@ class KvPath:
     def write_bytes(self, data: bytes) -> None:
         """Writes the object at this key (a whole object: it appears at once or not at all)."""
         parent, name = self.split()
-        parent.open().write(name, data).result()
+        self.wait(parent.open().write(name, data), "write")
 
     def write_many(self, objects: Mapping[str, bytes]) -> None:
         """Writes objects below this prefix (keys relative to it), all requests in flight at
         once: a handful of small files costs one round trip, not one each."""
         store = self.open()
         for future in [store.write(key, data) for key, data in objects.items()]:
-            future.result()
+            self.wait(future, "write")
 
     def read_many(self, keys: Sequence[str]) -> dict[str, bytes | None]:
         """The objects at ``keys`` below this prefix (``None`` where missing), read at once."""
         store = self.open()
         results = [store.read(key) for key in keys]
         return {
-            key: None if (r := future.result()).state == "missing" else bytes(r.value)
+            key: None if (r := self.wait(future, "read")).state == "missing" else bytes(r.value)
             for key, future in zip(keys, results, strict=True)
         }
 
@@ -201,7 +250,7 @@ class KvPath:
         """Every key below this prefix, relative to it, sorted."""
         if self.driver == "file" and not pathlib.Path(self.key).is_dir():
             return []
-        keys = self.open().list().result()
+        keys = self.wait(self.open().list(), "list")
         return sorted(k.decode() for k in keys)
 
     def delete_all(self) -> None:
@@ -209,17 +258,88 @@ class KvPath:
         if self.driver == "file":
             shutil.rmtree(self.key, ignore_errors=True)
             return
-        self.open().delete_range(ts.KvStore.KeyRange()).result()
+        self.wait(self.open().delete_range(ts.KvStore.KeyRange()), "delete")
 
     def delete(self) -> None:
         """Deletes the object at this key (no error when it does not exist)."""
         parent, name = self.split()
-        parent.open().delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+        self.wait(parent.open().delete_range(ts.KvStore.KeyRange(name, name + "\0")), "delete")
+
+    def read_stamped(self) -> tuple[bytes | None, bytes]:
+        """The object at this key (``None`` when missing) and its storage generation, for a
+        later :meth:`write_if`."""
+        parent, name = self.split()
+        result = self.wait(parent.open().read(name), "read")
+        value = None if result.state == "missing" else bytes(result.value)
+        return value, result.stamp.generation
+
+    def write_if(self, data: bytes | None, generation: bytes) -> bytes | None:
+        """Writes (or, ``data=None``, deletes) the object at this key only if its generation is
+        still ``generation`` (from :meth:`read_stamped`); the new generation, or ``None`` when
+        the condition failed.
+
+        TensorStore's ``file`` and ``gcs`` drivers check the condition atomically; its ``s3``
+        driver checks it with a HEAD request before an unconditional PUT (TensorStore 0.1.86),
+        so two writers may both succeed there: callers read the object back. ``None`` too when
+        the server gave a generation TensorStore cannot send back (a GCS emulator).
+        """
+        parent, name = self.split()
+        try:
+            stamp = self.wait(parent.open().write(name, data, if_equal=generation), "write")
+        except ValueError as e:
+            if "Malformed StorageGeneration" in str(e):
+                return None  # a generation the server gave that TensorStore cannot send back
+            raise
+        return stamp.generation or None
 
 
 @functools.cache
 def _shared_context() -> ts.Context:
     return ts.Context()
+
+
+def probe_writable(path: KvPath, timeout_s: float | None) -> None:
+    """Writes and deletes a probe object under ``path`` with short retries, each wait bounded.
+
+    Raises:
+      ValueError: the store refused (a missing bucket, missing credentials, an endpoint that
+        refuses connections: TensorStore's cause, without the HTTP body).
+      StoreTimeoutError: no answer within ``timeout_s``.
+    """
+    probe = path.for_probe().with_timeout(timeout_s) / f".cocijax-probe-{uuid.uuid4().hex}"
+    try:
+        # Not empty: a GCS emulator (gcp-storage-emulator) fails an empty media upload.
+        probe.write_bytes(b"cocijax")
+        probe.delete()
+    except ValueError as e:
+        raise ValueError(describe_error(e)) from e
+
+
+# TensorStore status codes of failures that may pass by themselves (a server down for a moment,
+# a connection refused, requests retried until TensorStore gave up); the others (NOT_FOUND: a
+# missing bucket, PERMISSION_DENIED, INVALID_ARGUMENT, credentials) do not.
+_TRANSIENT = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNKNOWN")
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a store's error may pass if the request is made again later."""
+    if isinstance(error, TimeoutError):
+        return True
+    return str(error).lstrip().startswith(_TRANSIENT)
+
+
+def is_missing_bucket(error: BaseException) -> bool:
+    """Whether a store's error says that the bucket itself does not exist."""
+    text = str(error)
+    return "NoSuchBucket" in text or ("NOT_FOUND" in text and "bucket" in text.lower())
+
+
+def describe_error(error: BaseException) -> str:
+    """TensorStore's error in one line: its status and cause, without the HTTP response body."""
+    text = str(error).strip()
+    for cut in (" [http_response", " [curl_code", " [source locations"):
+        text = text.split(cut, 1)[0]
+    return text.rstrip(" .")
 
 
 def _options_json(options: Mapping[str, Any] | None, where: str, driver: str) -> str:

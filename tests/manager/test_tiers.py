@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -211,34 +212,38 @@ def test_garbage_collection_on_both_tiers_keeps_the_newest_durable_step(tmp_path
         mngr.wait_until_finished(durable=True)
         assert mngr._local_steps() == [5]
         assert mngr.durable_steps() == [4, 5]
-        assert {k.split("/")[1] for k in s3.keys("run/")} == {"4", "5"}
+        # Besides the steps, only the lease of this writer, while it is open.
+        assert {k.split("/")[1] for k in s3.keys("run/")} == {"4", "5", "cocijax_lease.json"}
         mngr.delete(5)  # an explicit delete removes the step from both tiers
         assert mngr.all_steps() == [4] and mngr.durable_steps() == [4]
 
 
-def test_a_durable_server_that_is_down_leaves_training_and_local_saves_alone(tmp_path, s3, caplog):
-    options = s3.options_of_a_server_that_is_down()
+def test_a_durable_server_that_goes_down_leaves_training_and_local_saves_alone(
+    tmp_path, s3, s3_proxy, caplog
+):
     with (
         caplog.at_level(logging.WARNING, logger="cocijax"),
         cj.CheckpointManager(
             tmp_path / "ckpt",
             policy=cj.policies.fixed(1),
             durable=s3.url("run"),
-            durable_options=options,
+            durable_options=s3.options_via(s3_proxy.endpoint),
+            store_timeout_s=5,
         ) as mngr,
     ):
-        for step in (1, 2):
+        mngr.save(1, _state(1), loss=1.0)
+        mngr.wait_until_finished(durable=True)
+        s3_proxy.down()
+        for step in (2, 3):
             mngr.save(step, _state(step), loss=1.0)
             mngr.wait_until_finished()  # local commits are not held up
             assert mngr._local_steps()[-1] == step
-        mngr.delete(1)  # waits for the drains too, but leaves their errors to be raised
+        mngr.delete(2)  # waits for the drains too, but leaves their errors to be raised
         with pytest.raises(DurableTierError, match=r"step \d to s3://") as caught:
             mngr.wait_until_finished(durable=True)
-        assert mngr.durable_steps() == []
-        assert _same(mngr.restore(), _state(2))
-    # The listing at opening failed once; later calls did not wait for the retries again.
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert sum("cannot list the durable tier" in m for m in warned) == 1
+        assert mngr.durable_steps() == [1]  # the last listing: unknown is not empty
+        assert _same(mngr.restore(), _state(3))
+        s3_proxy.up()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     drained = [m for m in errors if m.startswith("drain of step")]
     steps = [m.split()[3] for m in drained]
@@ -308,3 +313,62 @@ def test_durable_every_drains_every_kth_saved_step(tmp_path):
     with _manager(tmp_path, durable, durable_every=2) as mngr:
         mngr.wait_until_finished(durable=True)
         assert mngr.durable_steps() == [2, 4, 5]
+
+
+def _lease(root, name: str, **kwargs):
+    from cocijax.manager._tier_lease import Lease
+
+    kwargs.setdefault("duration_s", 60.0)
+    return Lease(storage.KvPath.parse(root), owner=name, directory=f"/ckpt-{name}", **kwargs)
+
+
+def test_the_lease_has_one_holder_until_released_or_expired(tmp_path):
+    from cocijax.manager._tier_lease import LeaseError
+
+    first, second = _lease(tmp_path, "first"), _lease(tmp_path, "second")
+    first.acquire(0)
+    try:
+        with pytest.raises(LeaseError, match=r"held by another writer, first .*/ckpt-first"):
+            second.acquire(0.2)
+        waited = []
+        first.release()
+        second.acquire(0.2, waiting=waited.append)
+        assert second.held and not waited
+        # A holder that stopped renewing: once its expiry passed (another clock), it is taken.
+        later = _lease(tmp_path, "later", clock=lambda: time.time() + 120)
+        later.acquire(0)
+        with pytest.raises(LeaseError, match="lease lost"):
+            second.check(margin_s=0)
+        later.release()
+    finally:
+        first.release()
+        second.release()
+
+
+def test_a_lease_whose_process_is_gone_is_free_at_once(tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from cocijax.manager._tier_lease import LEASE_KEY
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    record = {
+        "format": "cocijax-durable-lease",
+        "owner": "killed",
+        "host": socket.gethostname(),
+        "pid": int(gone.stdout),
+        "expires_unix": time.time() + 3600,
+    }
+    (tmp_path / LEASE_KEY).write_text(json.dumps(record))
+    lease = _lease(tmp_path, "next")
+    lease.acquire(0)
+    try:
+        assert lease.held
+        assert json.loads((tmp_path / LEASE_KEY).read_text())["owner"] == "next"
+    finally:
+        lease.release()
+    assert not (tmp_path / LEASE_KEY).exists()
