@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
-from cocijax.cli import _commands, _units, main
+from cocijax.cli import _commands, _plan, _units, main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 POLICY_NAMES = tuple(cj.policies.by_name.__globals__["CONSTRUCTORS"])
@@ -100,7 +100,7 @@ def _table_rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in re.split(r"[│|]", line) if c.strip()]
-        if cells and cells[0] in (*POLICY_NAMES, _commands.OPTIMAL):
+        if cells and cells[0] in (*POLICY_NAMES, _plan.OPTIMAL):
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -110,7 +110,7 @@ def test_plan_table_matches_plan_and_simulator(tmp_path, capsys):
     argv = ["plan", str(CURVE), *PLAN_ARGS, "--trials", "200", "--every", "20", "--plot", str(png)]
     assert main(argv) == 0
     rows = _table_rows(capsys.readouterr().out)
-    assert set(rows) == {*POLICY_NAMES, _commands.OPTIMAL}  # every policy, and the optimum
+    assert set(rows) == {*POLICY_NAMES, _plan.OPTIMAL}  # every policy, and the optimum
 
     losses = np.loadtxt(CURVE, delimiter=",", skiprows=1)[:, 1]
     n = len(losses)
@@ -146,7 +146,7 @@ def test_plan_reads_missing_and_nan_cells(tmp_path, capsys):
         f"{i},{'' if i % 7 == 0 else ('nan' if i % 11 == 0 else 2.0 / i)}" for i in range(1, 301)
     ]
     csv.write_text("\n".join(lines) + "\n")
-    history = _commands.read_losses(csv)
+    history = _plan.read_losses(csv)
     assert len(history.losses) == 300 and np.isnan(history.losses[6]) and history.steps[-1] == 300
     assert main(["plan", str(csv), *PLAN_ARGS, "--policy", "coci", "--trials", "50"]) == 0
     assert int(_table_rows(capsys.readouterr().out)["coci"][0]) > 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cocijax as cj
-from cocijax.cli import _commands, main
+from cocijax.cli import _inspect, main
 
 
 @pytest.fixture
@@ -53,14 +53,14 @@ def test_a_step_deleted_while_it_is_read_is_skipped_not_damaged(
 ):
     step_1 = two_steps / "1"
     if when == "after listing":
-        real_find = _commands.find_steps
+        real_find = _inspect.find_steps
 
         def find_then_delete(directory):
             steps = real_find(directory)
             _delete_as_the_writer_does(step_1)
             return steps
 
-        monkeypatch.setattr(_commands, "find_steps", find_then_delete)
+        monkeypatch.setattr(_inspect, "find_steps", find_then_delete)
     else:
         real_verify = cj.storage.verify
 

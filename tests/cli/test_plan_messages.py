@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cocijax.cli import _commands, _units, main
+from cocijax.cli import _plan, _units, main
 
 CURVE = Path(__file__).resolve().parents[1] / "data" / "wrn-40-4_cifar10_loss.csv"
 JOB = ["--ckpt-cost", "20s", "--step-time", "90s", "--policy", "young", "--trials", "20"]
@@ -47,8 +47,8 @@ def test_a_bare_number_is_seconds_and_the_note_says_how_it_was_read(capsys):
 def test_the_table_says_what_its_columns_and_the_hindsight_optimum_mean(capsys):
     assert main(["plan", str(CURVE), "--mtbf", "4h", *JOB]) == 0
     out = capsys.readouterr().out
-    optimum = _row(out, _commands.OPTIMAL)
-    assert "weighted" in _commands.OPTIMAL
+    optimum = _row(out, _plan.OPTIMAL)
+    assert "weighted" in _plan.OPTIMAL
     legend = out[out.index("└") :]
     assert "wall overhead: expected time lost to saves, redone steps and restarts" in legend
     assert "weighted overhead: the same, each redone step weighted by the loss" in legend

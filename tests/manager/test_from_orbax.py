@@ -125,3 +125,18 @@ def test_a_step_that_neither_wrote_is_still_refused(tmp_path):
     (tmp_path / "ck" / "3" / "weights").mkdir(parents=True)
     with pytest.raises(ValueError, match="neither a 'state' item of cocijax's nor Orbax's"):
         cj.CheckpointManager(tmp_path / "ck")
+
+
+def test_the_command_line_lists_orbax_steps_beside_cocijax_s(orbax_dir, capsys):
+    from cocijax.cli import main
+
+    directory = orbax_dir / "composite"  # Orbax's 'state' item is no damaged cocijax step
+    with cj.CheckpointManager(directory, policy=cj.policies.fixed(1)) as mngr:
+        mngr.save(31, _state(31), loss=1.0)
+    assert main(["ls", str(directory)]) == 0
+    listed = "".join(capsys.readouterr().out.split())  # the table may wrap its cells
+    assert "n/a(writtenbyOrbax)" in listed and "│ok│" in listed
+    assert main(["verify", str(directory)]) == 0
+    said = capsys.readouterr().out
+    assert "steps [30]: not verified (written by Orbax)" in said
+    assert "OK: 1 step(s) verified" in said
