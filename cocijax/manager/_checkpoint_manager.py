@@ -66,7 +66,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._driver import manager_driver, stage_loss
 from cocijax.manager._faults import naming, retry_deletions, run_all, wait
-from cocijax.manager._gc import collect_garbage, quarantine
+from cocijax.manager._gc import Remover, collect_garbage, quarantine
 from cocijax.manager._history import RunHistory, process_age_s
 from cocijax.manager._identity import (
     check_directory,
@@ -250,6 +250,8 @@ class CheckpointManager:
         self._history: RunHistory | None = None
         self._committed: set[int] = set()
         self._orbax_steps: dict[int, OrbaxStep] = {}  # steps Orbax's own manager wrote
+        self._remover = Remover()  # deletions run off the training thread
+        self._store_timeout_s = store_timeout_s
         self._save_started = False
         options = merge_options(
             options,
@@ -672,9 +674,10 @@ class CheckpointManager:
             self._history.recorded()  # a save of this run committed, with the job's failures
 
     def _collect_garbage(self) -> None:
-        """Empties the trash, removes unreferenced stripes, retries failed deletions of steps."""
+        """Finds what to remove (the trash, unreferenced stripes, failed saves) and hands it to
+        the remover's thread; retries failed deletions of steps."""
         if not self._read_only and self._primary:
-            collect_garbage(self._directory, self._stripe_roots)
+            self._remover.remove(collect_garbage(self._directory, self._stripe_roots))
             retry_deletions(self.orbax, self._directory)
 
     # -- restore ----------------------------------------------------------------------------
@@ -943,6 +946,7 @@ class CheckpointManager:
         self._committed.discard(step)
         self._latest_saved = self.latest_step()
         self._collect_garbage()
+        self._wait_for_removals()  # a deletion asked for is done when delete returns
 
     def _drop_orbax_step(self, step: int) -> None:
         """Moves a step Orbax wrote to the trash (emptied by the next garbage collection)."""
@@ -951,7 +955,8 @@ class CheckpointManager:
         del self._orbax_steps[step]
 
     def wait_until_finished(self, *, durable: bool = False) -> None:
-        """Blocks until the running save is committed (re-raises its error), then collects.
+        """Blocks until the running save is committed (re-raises its error), then collects
+        garbage and waits for the removals (which ``save`` leaves to a thread of its own).
 
         Args:
           durable: also wait until the committed steps handed to the durable tier are drained
@@ -971,6 +976,19 @@ class CheckpointManager:
             with naming(self._directory, self._paths):
                 self._apply_retention()
                 self._collect_garbage()
+            self._wait_for_removals()
+
+    def _wait_for_removals(self) -> None:
+        """Waits for the removals in flight; on an object store for ``store_timeout_s`` at most
+        (what is left is removed by the next opening)."""
+        remote = any(isinstance(r, storage.KvPath) for r in self._roots)
+        if not self._remover.wait(self._store_timeout_s if remote else None):
+            log.warning(
+                "%s: removals of garbage on the roots still running after %g s "
+                "(store_timeout_s): left to the next opening",
+                self._directory,
+                self._store_timeout_s,
+            )
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save has started and not yet committed (as Orbax's manager answers it).
@@ -1017,7 +1035,14 @@ class CheckpointManager:
             if self._durable is not None:
                 self._durable.close()  # the last drain ends; its errors were logged
 
-        run_all(finish, close_orbax, close_durable, self._preemption.uninstall, self._release)
+        run_all(
+            finish,
+            self._wait_for_removals,
+            close_orbax,
+            close_durable,
+            self._preemption.uninstall,
+            self._release,
+        )
 
     def _check_open(self) -> None:
         if self._closed:

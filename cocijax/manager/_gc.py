@@ -17,21 +17,27 @@ What a directory may hold besides its committed steps, and what becomes of it:
 * **Stripes no step references**: with external roots, a step's data also lives in stripe
   directories on those roots, which deleting the step directory leaves behind. Which stripes a
   step references is the storage's knowledge (:func:`cocijax.storage.unreferenced_stripe_dirs`:
-  by name, from each manifest's raw bytes, damaged ones included); this module decides when
-  removing is safe and removes.
+  by name, from each manifest's raw bytes, damaged ones included).
+
+Finding the garbage is quick and happens while no save is in flight (:func:`collect_garbage`);
+removing it is slow and happens in a thread of its own (:class:`Remover`), so training never
+waits for a deletion.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, final
 
 from cocijax import _files, storage
 from cocijax.manager._directory import STATE_ITEM, STEP_RE, TMP_MARK, TRASH_DIR
 
-__all__ = ["QUARANTINE_DIR", "QUARANTINE_KEEP", "collect_garbage", "quarantine"]
+__all__ = ["QUARANTINE_DIR", "QUARANTINE_KEEP", "Remover", "collect_garbage", "quarantine"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +72,12 @@ def quarantine(step_dir: Path, reason: str) -> Path:
     return target
 
 
-def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPath]) -> None:
-    """Empties the trash, removes failed saves and old damaged steps, then unreferenced stripes.
+def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPath]) -> list[Any]:
+    """Sets aside what the directory no longer needs and says what to remove (see the module).
+
+    This part is quick (renames, a listing, the manifests' bytes); the removal itself, the
+    slow part (a whole state per dropped step, every object of a prefix on an object store),
+    is the caller's, off the training thread (:class:`Remover`).
 
     Call it only on the primary process and only while no save is in flight (the caller has
     waited), so that the only unreferenced stripes are those of deleted steps and of crashed or
@@ -78,6 +88,10 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPat
     Args:
       directory: the checkpoint directory.
       stripe_roots: this directory's stripe folders on the external roots (may be empty).
+
+    Returns:
+      What to remove: entries of the trash, and unreferenced stripe directories. All of them
+      are out of sight already (no listed step references them) and are never reused.
     """
     trash = directory / TRASH_DIR
     for entry in _entries(directory):
@@ -88,31 +102,85 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPat
     for entry in quarantined[: max(len(quarantined) - QUARANTINE_KEEP, 0)]:
         log.info("deleting %s: newer damaged steps are kept for inspection", entry)
         _files.move_aside(entry, trash)
-    for entry in _entries(trash):
-        try:
-            _files.remove_tree(entry)
-        except OSError as e:  # out of sight already: tried again at the next collection
-            log.warning("cannot remove %s (%s); trying again at the next collection", entry, e)
+    garbage: list[Any] = _entries(trash)
     if not stripe_roots:
-        return
+        return garbage
     # The renames into the trash were not synced: make them durable before their stripes go,
     # or after a power loss a step could be listed again without its data (found by
     # tests/reliability/test_power_loss.py).
     _files.fsync_dir(directory)
     items = [e / STATE_ITEM for e in _entries(directory) if STEP_RE.match(e.name)]
     items += [e / STATE_ITEM for e in _entries(directory / QUARANTINE_DIR)]
-    garbage = storage.unreferenced_stripe_dirs(stripe_roots, items)
-    if garbage is None:
-        return  # some step's references cannot be read now: removing any could lose its data
-    for stripe_dir in garbage:
-        log.info("removing unreferenced stripe directory %s", stripe_dir)
-        if isinstance(stripe_dir, storage.KvPath):
-            stripe_dir.delete_all()
-        else:
+    stripes = storage.unreferenced_stripe_dirs(stripe_roots, items)
+    if stripes is None:
+        return garbage  # some step's references cannot be read now: removing any could lose
+    return garbage + stripes
+
+
+@final
+class Remover:
+    """Removes what :func:`collect_garbage` found, in a thread of its own.
+
+    Training does not wait for a deletion (a dropped step of the data inside its directory
+    is a whole state; on an object store, a request per object). What it is given is out of
+    sight already, so removing it races nothing; a crash in the middle leaves it where the
+    next collection finds it again. A removal that fails is logged and tried again then.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[Any] = []
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def remove(self, paths: Sequence[Any]) -> None:
+        """Queues ``paths`` (local directories or object-store prefixes) for removal."""
+        if not paths:
+            return
+        with self._cond:
+            self._queue.extend(p for p in paths if p not in self._queue)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="cocijax-remover", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until everything queued is removed; False if ``timeout_s`` ran out first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                path, self._busy = self._queue.pop(0), True
             try:
-                _files.remove_tree(stripe_dir)
-            except OSError as e:  # unreferenced: nothing lost; tried again next time
-                log.warning("cannot remove %s (%s); trying again later", stripe_dir, e)
+                _remove(path)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def _remove(path: Any) -> None:
+    try:
+        if isinstance(path, storage.KvPath):
+            path.delete_all()
+        else:
+            _files.remove_tree(path)
+    except (OSError, ValueError) as e:  # out of sight: nothing lost; found again next time
+        log.warning("cannot remove %s (%s); trying again at the next collection", path, e)
+    else:
+        log.debug("removed %s", path)
 
 
 def _entries(folder: Path) -> list[Path]:
