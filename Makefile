@@ -59,6 +59,7 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/restore_floor.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/resume_bench.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/tier_bench.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/retention_bench.py $(BENCH_ARGS)
 
 # The live chaos benchmark (half an hour; `make chaos CHAOS_ARGS=--quick`: five minutes), restarts
 # loading compiled programs from JAX's persistent cache as a job that restarts often should. Not
