@@ -161,3 +161,93 @@ Sequences.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSequences = Sequences.TestCase
+
+
+class SequencesWithDurable(RuleBasedStateMachine):
+    """Two tiers: a local directory drained to a durable path; machines replaced, lost, damaged.
+
+    The model holds what each tier must list. Every save is drained (``durable_every=1``) and
+    waited for, so the durable tier holds the newest ``DURABLE_KEEP`` saves; the local tier the
+    newest ``KEEP``. A replaced machine opens an empty local directory on the same durable tier.
+    """
+
+    @initialize()
+    def open_first(self):
+        self.base = Path(tempfile.mkdtemp(prefix="cocijax-seq2-"))
+        self.durable = self.base / "durable"
+        self.machine = 0
+        self.local: dict[int, int] = {}  # step -> seed, on the local tier
+        self.remote: dict[int, int] = {}  # step -> seed, on the durable tier
+        self.seed = 0
+        self.next_step = 1
+        self.mngr = self._open()
+
+    def _open(self) -> cj.CheckpointManager:
+        return cj.CheckpointManager(
+            self.base / f"machine{self.machine}",
+            roots=[self.base / f"nvme{self.machine}"],
+            policy=cj.policies.fixed(10**6),
+            max_to_keep=KEEP,
+            durable=str(self.durable),
+            durable_max_to_keep=DURABLE_KEEP,
+            exit_on_preemption=False,
+        )
+
+    def teardown(self):
+        mngr = getattr(self, "mngr", None)
+        if mngr is not None:
+            mngr.close()
+        shutil.rmtree(getattr(self, "base", "/nonexistent"), ignore_errors=True)
+
+    @rule(skip=st.integers(0, 2))
+    def save(self, skip):
+        step = self.next_step + skip
+        self.seed += 1
+        assert self.mngr.save(step, _state(self.seed), loss=1.0, force=True)
+        self.mngr.wait_until_finished(durable=True)
+        for tier, keep in ((self.local, KEEP), (self.remote, DURABLE_KEEP)):
+            tier[step] = self.seed
+            for old in sorted(tier)[:-keep]:
+                del tier[old]
+        self.next_step = step + 1
+
+    @rule()
+    def replace_the_machine(self):
+        # A new machine: an empty local directory, the same durable tier.
+        self.mngr.close()
+        self.mngr = None
+        self.machine += 1
+        self.local = {}
+        self.mngr = self._open()
+        if self.remote:
+            assert _equal(self.mngr.restore(), _state(self.remote[max(self.remote)]))
+            assert self.mngr.restored_step == max(self.remote)
+
+    @precondition(lambda self: self.local or self.remote)
+    @rule(data=st.data())
+    def restore_any(self, data):
+        listed = {**self.remote, **self.local}
+        step = data.draw(st.sampled_from(sorted(listed)))
+        assert _equal(self.mngr.restore(step), _state(listed[step]))
+        self.next_step = max(self.next_step, max(listed) + 1)
+
+    @invariant()
+    def both_tiers_list_the_model_and_restore_bit_exact(self):
+        if getattr(self, "mngr", None) is None:
+            return
+        assert self.mngr.durable_steps() == sorted(self.remote)
+        assert self.mngr.all_steps() == sorted(set(self.local) | set(self.remote))
+        for step, seed in self.remote.items():
+            assert _equal(self.mngr.restore(step, tier="durable"), _state(seed)), step
+        for step, seed in self.local.items():
+            assert _equal(self.mngr.restore(step, tier="local"), _state(seed)), step
+
+
+DURABLE_KEEP = 2
+SequencesWithDurable.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSequencesWithDurable = SequencesWithDurable.TestCase
