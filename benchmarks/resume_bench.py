@@ -3,7 +3,8 @@
 A training job that restarts after a failure opens its checkpoint directory and restores the
 newest step before it trains again; that time is the recovery cost ``R`` of the Young/Daly and
 COCI formulas. For trees (b) (1024 leaves, 256 MiB) and (c) (the small transformer, ~100 leaves,
-160 MiB) of ``write_bench``, a directory holding ``--steps`` saved steps is written once per
+160 MiB) of ``write_bench``, and (s) (16 leaves of 1 KiB: what opening costs per step kept,
+``--trees s --steps 2000``), a directory holding ``--steps`` saved steps is written once per
 method, then each repeat runs in a fresh process with the page cache of every file evicted:
 
 * ``orbax``: Orbax's ``CheckpointManager`` with ``StandardCheckpointHandler``;
@@ -30,10 +31,20 @@ import time
 from pathlib import Path
 
 from _report import machine_line, run_in_child, write_section
-from write_bench import _evict, _tree
+from write_bench import _evict
+from write_bench import _tree as _write_bench_tree
 
 SECTION = "resume_bench"
 METHODS = ("orbax", "cocijax")
+
+
+def _tree(name: str, quick: bool):
+    """write_bench's trees, and (s): 16 leaves of 1 KiB (the cost of opening per step kept)."""
+    if name != "s":
+        return _write_bench_tree(name, quick)
+    import jax.numpy as jnp
+
+    return {f"w{i:02d}": jnp.full(256, float(i)) for i in range(16)}
 
 
 def _manager(method: str, directory: Path, steps: int):
