@@ -64,7 +64,7 @@ docs/architecture
 docs/reliability
 docs/bad-input
 docs/benchmarks
-BENCHMARKS
+Benchmark results <BENCHMARKS>
 ```
 
 ```{toctree}
