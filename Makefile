@@ -1,15 +1,16 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   -> trains a small Flax model with cocijax checkpoints (see README)
-#   make test   -> ruff + the whole test suite (what CI runs)
+#   make test   -> ruff + the whole test suite (what CI runs), the docs' snippets and site included
+#   make docs   -> the documentation site, strictly (a warning or a broken link fails), into docs/_build/html
 # Each creates .venv on first use and installs what it needs (and reinstalls when
-# pyproject.toml changes): `demo` the demo extra only, `test` the test set.
+# pyproject.toml changes): `demo` the demo extra only, `docs` the docs extra, `test` the test set.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch: a looser requirement pulls a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test lint systools bench chaos clean
+.PHONY: demo test docs lint systools bench chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +24,16 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_CPU)" -e ".[test]"
 	touch $@
 
+$(VENV)/.docs: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_CPU)" -e ".[docs]"
+	touch $@
+
 demo: $(VENV)/.demo
 	$(BIN)/python examples/flax_train.py
+
+# tests/test_docs.py runs the same build under `make test`.
+docs: $(VENV)/.docs
+	$(BIN)/python -m sphinx -W --keep-going -q -b html -c docs . docs/_build/html
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
@@ -68,4 +77,4 @@ chaos: $(VENV)/.test
 	$(BIN)/python benchmarks/chaos_bench.py --compile-cache $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build

@@ -509,10 +509,9 @@ class CheckpointManager:
     ) -> bool:
         """Feeds one completed training step to the policy and saves if it says so.
 
-        A step the policy cannot save at costs a few microseconds: no device sync, no dispatch,
-        and ``extra``, ``metrics`` and ``custom_metadata`` are not looked at (measured against
-        Orbax's own ``save`` in ``benchmarks/step_cost_bench.py``). They are checked on a step
-        that saves, before anything is written.
+        On a step the policy does not save there is no device sync and no dispatch, and
+        ``extra``, ``metrics`` and ``custom_metadata`` are not looked at; they are checked on a
+        step that saves, before anything is written.
 
         Args:
           step: the completed training step (1-based), larger than at the previous call.

@@ -90,16 +90,17 @@ def checked_once() -> Iterator[None]:
     Also a decorator: each call of the function decorated is one block.
 
     One restore asks Orbax for the step's items twice (the state, the policy state), and Orbax
-    looks each step up twice per restore; opening a manager lists the steps several times.
-    Each lookup read and checked the whole manifest, ~20 ms for 1024 leaves. A block spans
-    one opening or one read of a step, during which a committed manifest does not change (a
-    writer renames a step away whole; a restore's own read of the manifest then fails).
+    looks each step up twice per restore; opening a manager lists the steps several times,
+    and each lookup reads and checks the whole manifest. A block spans one opening or one read
+    of a step, during which a committed manifest does not change (a writer renames a step away
+    whole; a restore's own read of the manifest then fails).
 
     Example:
       >>> with checked_once():
       ...     is_committed(Path("no-such-step"))
       False
     """
+    # A lookup reading the whole manifest cost ~20 ms for 1024 leaves.
     token = _checked.set({})
     try:
         yield

@@ -48,12 +48,13 @@ def _rate_grid() -> jax.Array:
     """Grid of -theta1 * span (span = time covered by the history): from almost flat to a decay
     over 1/200 of it.
 
-    Made on first use, not at import: it compiled four small XLA programs, 0.1 s of every
-    ``import cocijax`` that reached the manager (``-X importtime``). It is made eagerly in a
-    thread of its own, where no trace of the caller is active (JAX's trace state is per
-    thread): the same float32 values whether it is first asked inside ``jit`` or not.
-    (``jax.ensure_compile_time_eval`` gave 65 of the 96 values one ulp apart.)
+    Made on first use, not at import, eagerly in a thread of its own, where no trace of the
+    caller is active (JAX's trace state is per thread): the same float32 values whether it is
+    first asked inside ``jit`` or not.
     """
+    # Not at import: it compiled four small XLA programs, 0.1 s of every `import cocijax` that
+    # reached the manager (-X importtime). Not jax.ensure_compile_time_eval: that gave 65 of
+    # the 96 values one ulp apart.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(
             lambda: jnp.asarray(jnp.logspace(-3.0, jnp.log10(200.0), 96), jnp.float32)

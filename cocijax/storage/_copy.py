@@ -37,12 +37,10 @@ class BufferPool:
     """Host buffers that copies read pieces into and give back, at most ``limit_bytes`` kept.
 
     A copy reads each piece into host memory before it writes it out, and faulting fresh
-    memory in costs more than reading into memory faulted in before: measured on the
-    development VM, a copy of the 1 GiB tree to S3 (moto on 127.0.0.1) took 3.9 s (median of
-    6) into fresh buffers and 3.1 s into buffers faulted in before, the upload of the same
-    bytes by TensorStore alone about 3.0-3.4 s. :func:`copy_item` reuses buffers between the
-    pieces of one copy; a caller that copies often (the durable tier drains every save) keeps
-    one pool, so that from its second copy of the same shapes on nothing is faulted in.
+    memory in costs more than reading into memory faulted in before. :func:`copy_item` reuses
+    buffers between the pieces of one copy; a caller that copies often (the durable tier drains
+    every save) keeps one pool, so that from its second copy of the same shapes on nothing is
+    faulted in.
 
     Between copies the pool holds at most ``limit_bytes`` (buffers of any sizes, the most
     recently given back first); a buffer that would exceed it is freed.

@@ -2,8 +2,8 @@
 
 FastPersist's main device-side technique (Wang et al., 2024, arXiv:2406.13768): checkpoint bytes
 are written with ``O_DIRECT`` from page-aligned host buffers, so the kernel neither copies them
-into the page cache nor faults in cache pages. Measured on the development VM: 1 GiB in 16 MiB
-files took 0.6 s this way, and 1.8 s through TensorStore's buffered writes.
+into the page cache nor faults in cache pages (BENCHMARKS.md, "Measurements behind design
+choices", has what that saved).
 
 TensorStore makes every piece's ``zarr.json`` (``_write.metadata_file``) and reads compressed
 pieces and parts of pieces; this module moves the files of pieces stored with the plain

@@ -111,13 +111,9 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           concurrency: TensorStore ``file_io_concurrency``: file operations in flight.
           chunk_bytes: approximate size of one zarr chunk (one file) inside a piece.
           piece_bytes: largest piece (one zarr array); large arrays are split to this size.
-          small_bytes: regions below this size are packed, per dtype, into shared flat arrays.
-            Each piece costs a directory, a ``zarr.json`` and the fsyncs of all three, besides
-            its bytes: packing below 8 MiB rather than 1 MiB cut ``write_bench``'s transformer
-            tree (c), 160 MiB, from 50 pieces to 7, and its commit from 151 to 110 ms on one
-            root, 178 to 118 ms on two (restore 150-166 ms either way; medians of 6,
-            interleaved, development VM). A partial restore reads every pack holding a leaf it
-            asks for whole.
+          small_bytes: regions below this size are packed, per dtype, into shared flat arrays
+            (each piece costs a directory, a ``zarr.json`` and the fsyncs of all three, besides
+            its bytes). A partial restore reads every pack holding a leaf it asks for whole.
           compression: ``None`` or ``"zstd"`` (zarr3 codec).
           compression_level: zstd level.
           checksums: record xxh3_64 checksums at save and verify them at restore.
@@ -125,17 +121,14 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             ``O_DIRECT`` where the file system allows it, instead of through TensorStore's
             buffered writes (the files are the same).
           reuse_host_buffers: keep the host copy's buffers after a save (until :meth:`close`)
-            and copy the next save of the same shapes into them: memory already faulted in
-            copies several times faster than fresh memory. The handler then holds one host
-            copy of this process's share of the last tree between saves; ``False`` frees it
-            after each save.
+            and copy the next save of the same shapes into them, memory already faulted in.
+            The handler then holds one host copy of this process's share of the last tree
+            between saves; ``False`` frees it after each save.
           write_while_copying: start writing a piece of at least one chunk on a local root as
             soon as its host copy is done, while ``save`` still copies the rest. The writes
-            slow the copy that blocks the caller, and on few cores the commit is no sooner:
-            on the 2-core development VM (``write_bench``, ``cocijax-1-overlap``) saves of
-            trees (a), (b), (c) blocked 1.27, 1.62, 1.85x the pre-faulted copy against 0.89,
-            1.22, 1.22x without, and committed at 0.79, 0.65, 0.74 of the write limit
-            against 0.79, 0.61, 0.82. ``False`` (the default) keeps the blocking part to the
+            share the memory bandwidth with the copy that blocks the caller, so ``save`` blocks
+            longer, and on few cores the commit comes no sooner (``write_bench``'s
+            ``cocijax-1-overlap`` case). ``False`` (the default) keeps the blocking part to the
             copy alone, as Orbax's handlers do.
           multiprocessing_options: Orbax options; ``primary_host`` writes numpy leaves and the
             manifest.

@@ -70,9 +70,10 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     copying it (16-byte aligned numpy buffers are copied), so a restore on CPU fills its memory
     once; direct writes need block (4096-byte) alignment. Arrays from ``_MMAP_BYTES`` up get an
     anonymous mapping of their own, page-aligned and without numpy's transparent-huge-page
-    advice: on the development VM, faulting in fresh huge pages took 0.3-1.9 s per GiB from run
-    to run, 4 KiB pages a steady 0.55-0.8 s (measured).
+    advice.
     """
+    # No huge pages: on the development VM faulting in fresh huge pages took 0.3-1.9 s per GiB
+    # from run to run, 4 KiB pages a steady 0.55-0.8 s (measured).
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= _MMAP_BYTES and align <= mmap.PAGESIZE:
@@ -82,12 +83,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
+# On the development VM a copy of the 1 GiB tree into fresh pages ran at 0.25-0.9 GiB/s, into
+# pages faulted in before at ~5 GiB/s (benchmarks/write_bench.py): hence buffers kept.
 class HostBuffers:
     """Page-aligned host buffers that a save hands back for the next save of the same sizes.
 
-    Faulting in fresh memory costs more than copying into memory already faulted in: on the
-    development VM a copy of the 1 GiB tree into fresh pages ran at 0.25-0.9 GiB/s, into
-    pages faulted in before at ~5 GiB/s (measured, ``benchmarks/write_bench.py``). So a save
+    Faulting in fresh memory costs more than copying into memory already faulted in, so a save
     takes its buffers here and its commit gives them back.
 
     The memory bound: between saves this holds at most the buffers of the last save (one
@@ -142,14 +143,14 @@ _gc_pauses = 0  # how many pause_gc blocks are open, in any thread
 _gc_was_enabled = False
 
 
+# Restoring 1024 leaves spent 0.2-0.26 s in the collector (measured with gc.callbacks).
 @contextlib.contextmanager
 def pause_gc():
     """Keeps Python's cyclic garbage collector from running inside the block (any thread).
 
     A snapshot or a restore of a tree with many leaves allocates enough objects to trigger
-    ~100 collections, each walking every object of the process: restoring 1024 leaves spent
-    0.2-0.26 s in them (measured with ``gc.callbacks``). Reference counting still frees what
-    it can; the collector's previous state comes back when the last open block ends.
+    ~100 collections, each walking every object of the process. Reference counting still frees
+    what it can; the collector's previous state comes back when the last open block ends.
 
     Example:
       >>> import gc
