@@ -64,10 +64,10 @@ from cocijax.manager._directory import (
     orbax_reader_notice_dropped,
     split_best,
 )
-from cocijax.manager._driver import manager_driver, stage_loss
+from cocijax.manager._driver import manager_driver, stage_loss, tree_nbytes
 from cocijax.manager._faults import naming, retry_deletions, run_all, wait
 from cocijax.manager._gc import Remover, collect_garbage, quarantine
-from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._history import RunHistory, failed_exit, process_age_s
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -98,19 +98,23 @@ class CheckpointManager:
     * **step time**: the time between consecutive ``save`` calls, minus the time a save blocked.
       The first step after opening or :meth:`restore` is not timed (it usually includes
       compilation): the policy is given the step time saved with the checkpoint, or NaN
-      ("unknown") in a fresh directory.
+      ("unknown") in a fresh directory. The policy gets the median of the last three (one
+      pause is never taken for the job's pace; see ``cocijax.manager._driver``).
     * **checkpoint cost**: the blocking time of a save, including the wait for the previous
-      asynchronous save if it was still running (a real stall of training).
+      asynchronous save if it was still running (a real stall of training); the median of the
+      last three. Until one is measured, a cost from the state's size; and the first timed
+      step (the second) is saved to measure it, unless the policy does not use it (``fixed``).
     * **loss, one step late**: ``loss`` may be an unfinished ``jax.Array``. ``save`` starts its
       copy to host and the policy sees each loss with the next step, read only at the policy's
       next check (see :class:`cocijax.policies.Runner`): a step that cannot save costs no device
       sync. A NaN/inf loss is passed on; policies ignore it.
     * **failure rate and recovery time**, learned from the job itself: the directory is marked
-      as running while open; opening one whose previous run did not close counts a failure;
-      uptime and failures are saved with every checkpoint, and the MTBF given to the policy is
-      the posterior mean of a Gamma-Poisson model with ``prior_mtbf_s`` as a prior worth one
-      failure. The recovery time is measured from the process start to the first step after a
-      :meth:`restore`. A policy built with its own ``mtbf_s``/``recovery_s`` keeps them.
+      as running while open; opening one whose previous run did not close (or left its
+      ``with`` block by an exception) counts a failure; uptime and failures are saved with
+      every checkpoint, and the MTBF given to the policy is the posterior mean of a
+      Gamma-Poisson model with ``prior_mtbf_s`` as a prior worth one failure. The recovery
+      time is measured from the process start to the first step after a :meth:`restore`. A
+      policy built with its own ``mtbf_s``/``recovery_s`` keeps them.
 
     The policy state and these measurements are saved with every checkpoint (item ``policy``)
     and reloaded from the newest step when the manager opens (and from the restored step by
@@ -365,6 +369,8 @@ class CheckpointManager:
                 self._durable.open(max(self._local_steps(), default=None))
             latest = self.latest_step()
             self._history.adopt(None)
+            if latest is None and self._lock is not None:
+                log.info("no checkpoint in %s: starting at step 1", self._directory)
             if latest is not None:
                 where = "local" if latest in self._local_steps() else "durable"
                 where = "orbax" if latest in self._orbax_steps else where
@@ -547,6 +553,8 @@ class CheckpointManager:
         step = check_step(step)
         check_step_order(step, self._latest_saved, self._driver.step, self._directory)
         loss = stage_loss(loss)
+        if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
+            self._driver.state_size(tree_nbytes(state))
         # The previous step's loss goes with this step; it is read only at the policy's next
         # check (that step is done by then), so a step that cannot save costs no device sync.
         previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
@@ -908,9 +916,7 @@ class CheckpointManager:
             reason = f"the policy state of step {step} cannot be read ({e})"
             self._driver.start_fresh(reason, stacklevel=3)  # the user's open or restore
             return
-        if history:
-            self._driver.load_history(data)
-        if self._driver.adopt(data, where=str(where), stacklevel=3):
+        if self._driver.adopt(data, where=str(where), stacklevel=3, history=history):
             # The saved step counts as seen: the next call must be after it.
             self._driver.step = step
 
@@ -1051,6 +1057,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if failed_exit(exc[1], preempted=self._reached_preemption) and self._history is not None:
+            self._history.failed()  # the next run counts it (a peer rank died, a Ctrl-C)
         self.close()
 
     def __del__(self):

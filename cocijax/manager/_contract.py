@@ -87,15 +87,20 @@ class Measurements(NamedTuple):
     process 0's (rank 0's).
 
     Attributes:
-      step_time_s: the step time it was given (the interval since the previous call, minus a
-        save's blocking time); NaN if unknown.
+      step_time_s: the step time it was given: the median of the last three measured (each
+        the interval since the previous call, minus a save's blocking time); NaN until two
+        were measured (one could be a pause).
       loss: the loss it was given (the JAX manager's is the previous step's, read one call
         late; the PyTorch manager's is the step's own); NaN if unknown.
-      cost_estimate_s: the checkpoint cost it was given (NaN before the first timed save).
+      cost_estimate_s: the checkpoint cost it was given: the median of the last three saves'
+        blocking times (each counted at most 10 times the estimate before it); before the
+        first, the prior from the state's size (NaN before the first ``save`` call).
       last_save_s: the blocking time of the most recent save (NaN before the first).
-      mtbf_s: the MTBF it was given, learned from the job's history (a policy built with its
-        own ``mtbf_s`` uses that instead).
-      recovery_s: the recovery time it was given, measured (NaN before the first restore).
+      mtbf_s: the MTBF the policy used: its own when it was built with one
+        (``coci(mtbf_s=...)``), else the one learned from the job's history.
+      recovery_s: the recovery time the policy used: its own when it was built with one, else
+        the one measured (NaN before the first restore: ``coci`` then assumes its
+        ``prior_recovery_s``, at most a quarter of the MTBF).
       failures: failures of the job so far, as the directory recorded them.
       drain_s: how long the last drain to the durable tier took, from the local commit to the
         durable manifest (NaN without a durable tier or before the first drain).

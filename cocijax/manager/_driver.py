@@ -10,6 +10,25 @@ not timed: it includes compilation. The driver feeds a :class:`cocijax.policies.
 dispatch and no device sync on a step before the policy's next check), passes the job's learned
 MTBF and recovery time (:mod:`cocijax.manager._history`), and serialises everything a restarted
 job needs to continue the same schedule.
+
+**Robust inputs.** A process stopped for a while (``SIGSTOP``, a debugger, a suspended VM) or
+a clock that jumps makes one interval far longer than the job's pace, or negative. Fed as they
+were, one jump of 10^6 s made Young's rule save 54 steps in a row, or never again when it fell
+inside a save. So the policy is fed the median of the last :data:`RECENT` measurements of each
+time, a negative interval is no measurement, and a save's cost counts at most
+:data:`COST_JUMP` times the estimate before it: one pause never reaches the policy, and a
+lasting change does from its second measurement (a disk 100 times slower from its fourth
+save). A single step time is not fed until a second one confirms it: the policies smooth the
+step time from its first value on, so a paused first step would have misled them for hundreds
+of steps.
+
+**The first save comes early.** While no save cost is known (a fresh job; not one that
+restored the cost its checkpoint measured), the driver saves after the first timed step, the
+second after opening (the first includes compilation): that save measures the real cost at
+once and protects the job from its first minutes on. Until then the policy is given a cost
+prior from the state's size (:func:`prior_cost_s`; the managers give the size at their first
+``save`` call). A policy whose decisions do not depend on the cost (``fixed``:
+``Policy.uses_cost``) gets no early save.
 """
 
 from __future__ import annotations
@@ -30,8 +49,33 @@ from cocijax._validate import POSITIVE, check
 from cocijax.manager._contract import Measurements
 from cocijax.manager._history import RunHistory
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
+from cocijax.policies._classic import DEFAULT_COST_PRIOR_S
 
-__all__ = ["PolicyDriver", "check_policy", "manager_driver", "read_loss", "stage_loss"]
+__all__ = [
+    "PolicyDriver",
+    "check_policy",
+    "manager_driver",
+    "prior_cost_s",
+    "read_loss",
+    "stage_loss",
+    "tree_nbytes",
+]
+
+# The policy is fed the median of this many recent measurements of a time (module docstring).
+RECENT = 3
+# A save's measured cost counts at most this many times the estimate before it (before any,
+# the prior but at least 10 s): a pause inside the early save cannot make the policy stop
+# saving, and a cost that really grew 100 times is followed within four saves.
+COST_JUMP = 10.0
+# The cost prior: a fixed part and the state written at a conservative rate. 100 MiB/s is a
+# slow network file system or one disk; every save measured on the 2-core development machine
+# blocked for less (its first save 400 MiB/s, a save waiting for the one before it 128 MiB/s
+# under load), and the blocking part of an asynchronous save on an accelerator is a copy to
+# host memory, faster still. The fixed part covers a small state's first save (28 ms to 160 ms
+# measured there). A prior above the truth errs towards saves that seem dear: the early save
+# measures the real cost within two steps anyway.
+PRIOR_WRITE_RATE_BPS = 100 * 2**20
+PRIOR_FIXED_S = 0.2
 
 # /2 records each leaf's key path, so a policy whose state gained fields still loads older
 # states (new fields start at their initial values); /1 (cocijax 0.1) matched by position.
@@ -80,6 +124,19 @@ def manager_driver(
     return functools.partial(
         PolicyDriver, policy, clock=clock, prior_mtbf_s=prior, save_final_step=True
     )
+
+
+def prior_cost_s(nbytes: float) -> float:
+    """The save cost assumed before one is measured, for a state of ``nbytes`` bytes.
+
+    ``PRIOR_FIXED_S`` plus the state written at ``PRIOR_WRITE_RATE_BPS`` (see there).
+    """
+    return PRIOR_FIXED_S + max(float(nbytes), 0.0) / PRIOR_WRITE_RATE_BPS
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of the arrays in a pytree (its global size: shards of other processes count)."""
+    return sum(int(getattr(leaf, "nbytes", 0) or 0) for leaf in jax.tree.leaves(tree))
 
 
 def stage_loss(loss: Any) -> Any:
@@ -146,6 +203,59 @@ def _decode(entry: dict[str, Any], like: jax.ShapeDtypeStruct, where: str) -> np
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
+class _Recent:
+    """The last :data:`RECENT` measurements of one time, and their robust value.
+
+    Args:
+      values: measurements already taken (a restored checkpoint's), oldest first.
+      jump: a new measurement counts at most this many times the value before it.
+
+    Attributes:
+      value: the median of the measurements (the lower middle of two), or NaN without any;
+        kept up to date by :meth:`add`, since a manager reads it at every step.
+    """
+
+    __slots__ = ("jump", "value", "values")
+
+    def __init__(self, values: list[float] | tuple[float, ...] = (), *, jump: float = math.inf):
+        self.values = list(values)[-RECENT:]
+        self.jump = jump
+        self._update()
+
+    def _update(self) -> None:
+        ordered = sorted(self.values)
+        self.value = ordered[(len(ordered) - 1) // 2] if ordered else math.nan
+
+    def copy(self) -> _Recent:
+        return _Recent(self.values, jump=self.jump)
+
+    def add(self, sample: float, reference: float = math.nan) -> None:
+        """Records a measurement; a negative or NaN one (a clock that jumped back) is none.
+
+        Args:
+          sample: the measured seconds.
+          reference: what a first measurement is capped against (``jump`` times it), if finite.
+        """
+        if not sample >= 0.0:
+            return
+        if self.values:
+            reference = self.value
+        if reference < math.inf:  # False for NaN too
+            sample = min(sample, self.jump * reference)
+        self.values.append(float(sample))
+        if len(self.values) > RECENT:
+            del self.values[0]
+        self._update()
+
+
+def _recent(saved: Any, fallback: Any) -> list[float]:
+    """Measurements saved with a checkpoint, or ``[fallback]``; never a value a job cannot have."""
+    ok = lambda v: type(v) in (int, float) and 0.0 <= v < math.inf
+    if isinstance(saved, list) and 0 < len(saved) <= RECENT and all(map(ok, saved)):
+        return [float(v) for v in saved]
+    return [float(fallback)] if ok(fallback) else []
+
+
 def _broadcast_from_process_0(values: np.ndarray) -> np.ndarray:
     """Every process decides on process 0's measurements (the same updates, the same decisions)."""
     if jax.process_count() == 1:
@@ -180,9 +290,11 @@ class PolicyDriver:
 
     Attributes:
       step: the last step given to :meth:`decide`, or None.
-      step_time_s: the latest measured step time in seconds (NaN before the first); saved with
-        the checkpoint so that a restarted job has one at once.
-      cost_s: the last measured checkpoint cost in seconds (NaN before the first save).
+      step_time_s: the job's step time in seconds, the median of the recent measurements (NaN
+        before the first); saved with the checkpoint so that a restarted job has one at once.
+      cost_s: the measured blocking time of the last save in seconds (NaN before the first).
+      wants_state_size: no cost is known and the cost prior waits for the state's size: a
+        manager then calls :meth:`state_size` (once, at its first ``save``).
       loss: the loss the policy sees with the next step when the caller has no newer one (the
         last saved step's, after a restore).
     """
@@ -210,15 +322,24 @@ class PolicyDriver:
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).
         self._final_step = getattr(policy, "total_steps", None) if save_final_step else None
+        # A policy whose decisions do not use the cost (fixed) is not given an early save.
+        self._early_save = getattr(policy, "uses_cost", True)
         self._prior_mtbf_s = prior_mtbf_s
         self._clock = clock
         self._cost_from_intervals = cost_from_intervals
         self._drain_s = drain_s
         self._said_fresh = False  # a saved schedule that cannot continue is said once
         self.step: int | None = None
-        self.step_time_s = math.nan
         self.cost_s = math.nan
         self.loss: Any = math.nan
+        self._step_times = _Recent()
+        self._timed_steps = 0  # step times measured (two for a checkpoint's: its job fed them)
+        self._rough_step_times = False  # they are only upper bounds (see _measured)
+        self._costs = _Recent(jump=COST_JUMP)
+        # The cost assumed until one is measured (module docstring): from the state's size,
+        # once a manager tells it; NaN lets the policy use its own ``cost_prior_s``.
+        self._cost_prior_s = math.nan
+        self.wants_state_size = self._early_save
         self._mark: float | None = None  # end of the previous call; None: the next is untimed
         self._saved_last = False  # the previous decision was "save" (cost_from_intervals)
         self._last: tuple[Any, float, float] = (math.nan, math.nan, math.nan)
@@ -227,6 +348,16 @@ class PolicyDriver:
     def state(self) -> Any:
         """The policy state (feeds the steps the runner recorded first)."""
         return self.runner.state
+
+    @property
+    def step_time_s(self) -> float:
+        """The job's step time: the median of the recent measurements (see the attributes)."""
+        return self._step_times.value
+
+    @property
+    def cost_estimate_s(self) -> float:
+        """The save cost the policy is given: recent measurements' median, else the prior."""
+        return self._costs.value if self._costs.values else self._cost_prior_s
 
     @property
     def mtbf_s(self) -> float:
@@ -240,16 +371,26 @@ class PolicyDriver:
         """The recovery time passed to the policy (NaN until one is measured)."""
         return math.nan if self.history is None else self.history.recovery_s
 
+    def state_size(self, nbytes: float) -> None:
+        """Sets the cost prior from the size of the state saved (:func:`prior_cost_s`)."""
+        self.wants_state_size = False
+        self._cost_prior_s = prior_cost_s(nbytes)
+
     def measurements(self) -> Measurements:
-        """The inputs of the last :meth:`decide` call (reads its loss) and what the job learned."""
+        """What the policy was given at the last :meth:`decide` call (reads its loss).
+
+        A value the policy was built with (``coci(mtbf_s=...)``) is what it used, so that is
+        the MTBF or recovery time reported.
+        """
         loss, step_time, cost = self._last
+        own_mtbf, own_recovery = (getattr(self.policy, k, None) for k in ("mtbf_s", "recovery_s"))
         return Measurements(
             step_time_s=step_time,
             loss=read_loss(loss),
             cost_estimate_s=cost,
             last_save_s=self.cost_s,
-            mtbf_s=self.mtbf_s,
-            recovery_s=self.recovery_s,
+            mtbf_s=self.mtbf_s if own_mtbf is None else own_mtbf,
+            recovery_s=self.recovery_s if own_recovery is None else own_recovery,
             failures=0 if self.history is None else self.history.failures,
             drain_s=math.nan if self._drain_s is None else self._drain_s(),
         )
@@ -268,35 +409,65 @@ class PolicyDriver:
             read only at the policy's next check.
 
         Returns:
-          True when the policy says to checkpoint after this step, or it is the final step
-          (``save_final_step``).
+          True when the policy says to checkpoint after this step, it is the final step
+          (``save_final_step``), or it is the first timed step and no save cost is known yet
+          (see the module docstring).
         """
         now = self._clock()
+        # Whether this step was timed without a save in it (a cost_from_intervals caller's
+        # interval after a save holds one): the early save's cost is split off such a time.
+        clean = self._mark is not None and not (self._cost_from_intervals and self._saved_last)
         if self._mark is not None:
-            interval = max(now - self._mark, 0.0)
-            if self._cost_from_intervals and self._saved_last:
-                if math.isnan(self.step_time_s):
-                    self.step_time_s = interval  # all there is: better than unknown
-                else:
-                    self.cost_s = max(interval - self.step_time_s, 0.0)
-            else:
-                self.step_time_s = interval
+            self._measured(now - self._mark, clean=clean)
         if self.history is not None:
             self.history.step_done()
         self.step = step
-        self._last = (loss, self.step_time_s, self.cost_s)
+        # One step time could be a pause: the policy gets step times once two were measured
+        # (or a checkpoint's, which its job fed).
+        step_time = self.step_time_s if self._timed_steps > 1 else math.nan
+        cost = self.cost_estimate_s
+        self._last = (loss, step_time, cost)
         decision = self.runner.update(
             step,
             loss=loss,
-            step_time_s=self.step_time_s,
-            checkpoint_cost_s=self.cost_s,
+            step_time_s=step_time,
+            checkpoint_cost_s=cost,
             mtbf_s=self.mtbf_s,
             recovery_s=self.recovery_s,
         )
-        decision = decision or step == self._final_step
+        early = clean and self._early_save and not self._costs.values
+        if early:
+            self._early_save = False  # once: a save whose timing was lost is not redone
+        decision = decision or early or step == self._final_step
         self._saved_last = decision
         self._mark = self._clock()
         return decision
+
+    def _measured(self, interval: float, *, clean: bool) -> None:
+        """Takes the interval since the previous call: a step time, or a step and a save."""
+        if not clean and not self._rough_step_times and self._step_times.values:
+            # A jitter may make the interval shorter than the step time: a free save.
+            self.cost_s = max(interval - self.step_time_s, 0.0)
+            self._costs.add(self.cost_s, self._cost_reference)
+            return
+        if clean and self._rough_step_times:  # a real step time replaces the upper bounds
+            self._step_times.values.clear()
+        # Without a step time to split it with, a step and a save are all there is: an upper
+        # bound of the step time (a policy that saves at every step still learns one).
+        self._rough_step_times = not clean
+        self._step_times.add(interval)
+        self._timed_steps += 1
+
+    @property
+    def _cost_reference(self) -> float:
+        """What a first measured cost is capped against (``COST_JUMP`` times it).
+
+        The prior, but at least the policies' default cost prior (10 s): a small state's first
+        save may well take a few seconds (a slow file system, a slow ``extra`` item), which
+        must not be cut; a pause of days must.
+        """
+        prior = self._cost_prior_s
+        return max(prior, DEFAULT_COST_PRIOR_S) if math.isfinite(prior) else DEFAULT_COST_PRIOR_S
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[dict[str, float]]:
@@ -310,7 +481,9 @@ class PolicyDriver:
             yield measured
         finally:
             end = self._clock()
-            measured["cost_s"] = self.cost_s = end - start
+            self._costs.add(end - start, self._cost_reference)
+            self._early_save = False  # a cost is measured (or its clock jumped back)
+            measured["cost_s"] = self.cost_s = max(end - start, 0.0)
             self._mark = end
 
     def snapshot(self, loss: Any) -> dict[str, Any]:
@@ -323,13 +496,27 @@ class PolicyDriver:
             "leaves": jax.tree_util.tree_flatten_with_path(self.state)[0],  # as of this step
             "state_type": type(self.state).__name__,
             "step": self.step,
-            "step_time_s": self.step_time_s,
+            "step_times": self._step_times.copy(),
+            "costs": self._costs.copy(),
+            "cost_reference": self._cost_reference,
+            "cost_s": self.cost_s,
             "loss": loss,
             "history": None if self.history is None else self.history.to_json(),
         }
 
-    def to_json(self, snapshot: dict[str, Any], *, cost_s: float) -> dict[str, Any]:
-        """Serialises a :meth:`snapshot`, with the measured cost of the save that records it."""
+    def to_json(self, snapshot: dict[str, Any], *, cost_s: float | None = None) -> dict[str, Any]:
+        """Serialises a :meth:`snapshot`.
+
+        Args:
+          snapshot: what :meth:`snapshot` captured.
+          cost_s: the measured cost of the save that records it (taken after the snapshot);
+            None when the snapshot holds every cost measured.
+        """
+        costs = snapshot["costs"].copy()
+        if cost_s is None:
+            cost_s = snapshot["cost_s"]
+        else:  # as the costs are once this save's is measured
+            costs.add(cost_s, snapshot["cost_reference"])
         return {
             "format": _FORMAT,
             "state_type": snapshot["state_type"],
@@ -338,8 +525,10 @@ class PolicyDriver:
                 for path, leaf in snapshot["leaves"]
             ],
             "step": snapshot["step"],
-            "step_time_s": snapshot["step_time_s"],
-            "cost_s": cost_s,
+            "step_time_s": snapshot["step_times"].value,
+            "cost_s": max(cost_s, 0.0),
+            # What the robust inputs rest on, so that a restarted job feeds the same values.
+            "recent": {"step_time_s": snapshot["step_times"].values, "cost_s": costs.values},
             "loss": read_loss(snapshot["loss"]),
             "history": snapshot["history"],
         }
@@ -396,14 +585,20 @@ class PolicyDriver:
                 for i, (path, (_, like)) in enumerate(zip(paths, template, strict=True))
             ]
             step = None if data["step"] is None else int(data["step"])
-            times = [float(data[name]) for name in ("step_time_s", "cost_s", "loss")]
-        except (KeyError, TypeError, AttributeError, OverflowError) as e:
+            step_time, cost, loss = (float(data[k]) for k in ("step_time_s", "cost_s", "loss"))
+            recent = data.get("recent") or {}
+            step_times = _Recent(_recent(recent.get("step_time_s"), step_time))
+            costs = _Recent(_recent(recent.get("cost_s"), cost), jump=COST_JUMP)
+        except (KeyError, TypeError, AttributeError, OverflowError, ValueError) as e:
             raise ValueError(f"{where}: the policy state on disk is malformed ({e!r})") from e
         self.runner.state = jax.tree.unflatten(treedef, leaves)
         self.step = step
-        self.step_time_s, self.cost_s, self.loss = times
+        self._step_times, self._costs, self.loss = step_times, costs, loss
+        self._timed_steps = 2 if step_times.values else 0
+        self._rough_step_times = False
+        self.cost_s = cost if cost >= 0.0 else math.nan
 
-    def adopt(self, data: Any, *, where: str, stacklevel: int) -> bool:
+    def adopt(self, data: Any, *, where: str, stacklevel: int, history: bool = False) -> bool:
         """Adopts a saved policy state (:meth:`load_json`), or warns once that it cannot.
 
         A state saved by another policy (or damaged) cannot be continued: the policy keeps the
@@ -413,11 +608,21 @@ class PolicyDriver:
           data: the decoded JSON saved with a checkpoint.
           where: the file it came from, for the warning.
           stacklevel: as for ``warnings.warn``, counted from the caller (1: its own line).
+          history: also adopt the job history saved with it (any policy's: it is the job's).
+            Only from a policy item (its format checked; the JAX manager's handler checks its
+            digest) holding a history a job can have (``_history.check_saved``): otherwise
+            nothing of the item is adopted, neither the history nor the policy state.
 
         Returns:
-          Whether the state was adopted.
+          Whether the policy state was adopted.
         """
         try:
+            if history and self.history is not None:
+                if not isinstance(data, dict) or data.get("format") not in _FORMATS:
+                    raise ValueError(f"{where}: not a cocijax policy state (expected {_FORMAT})")
+                damage = self.history.adopt(data.get("history"))
+                if damage:
+                    raise ValueError(f"{where}: the job history on disk is damaged ({damage})")
             self.load_json(data, where=where)
         except (KeyError, TypeError, ValueError) as e:
             self.start_fresh(str(e), stacklevel=stacklevel + 1)
@@ -439,12 +644,6 @@ class PolicyDriver:
             RuntimeWarning,
             stacklevel=stacklevel + 1,
         )
-
-    def load_history(self, data: dict[str, Any] | None) -> None:
-        """Adopts the job history saved with a checkpoint (any policy's: it is the job's)."""
-        if self.history is not None:
-            saved = data.get("history") if isinstance(data, dict) else None
-            self.history.adopt(saved if isinstance(saved, dict) else None)
 
     def compile_count(self) -> int:
         """How many times the batched update has been compiled (1 after the first step)."""

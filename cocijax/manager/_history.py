@@ -4,12 +4,16 @@ A policy needs the job's mean time between failures and its recovery time; users
 either. The directory can tell:
 
 * **Failures.** A writer marks the directory as running when it opens (``.cocijax-running``)
-  and clean when it closes. Opening a directory whose marker is still there means the previous
-  run did not close: one failure (a crash, a kill, a preemption without a clean exit). A marker
-  that cannot be read counts as one failure too, with a warning. Such a failure lives on disk
-  only in the marker until a checkpoint records it, so a run that closes before any of its
-  saves has committed leaves the marker in place: the next run counts the same failure (once)
-  instead of forgetting it.
+  and clean when it closes. Opening a directory whose marker says "running" means the previous
+  run did not close: one failure (a crash, a kill, a preemption without a clean exit). A run
+  that leaves its ``with`` block by an exception (a peer rank died, ``KeyboardInterrupt``)
+  did not end cleanly either: its close keeps the marker (:meth:`RunHistory.failed`). A marker
+  that cannot be read counts as one failure too, with a warning. Such failures live on disk
+  only in the marker until a checkpoint records them, so the marker holds the job's failure
+  count: each open of an unclean marker adds one to it (four kills in a crash loop, before any
+  save, are four failures), a committed save records the count, and a run that closes cleanly
+  before any of its saves has committed leaves the count in a marker that says "closed", so
+  that the next run counts those failures, once, and no new one.
 * **Uptime.** Each checkpoint records the job's training time so far (previous runs' plus this
   run's, measured with a monotonic clock, so a wall clock going backwards never subtracts);
   a crashed run's time after its last save is not known and is not counted (which errs towards
@@ -17,11 +21,15 @@ either. The directory can tell:
 * **MTBF.** The posterior mean of a Gamma-Poisson model: failures are Poisson with rate
   ``lam`` over the uptime ``T``, the prior is a Gamma with the weight of one failure in
   ``prior_mtbf_s`` seconds, so ``E[lam] = (1 + failures) / (prior_mtbf_s + T)`` and the MTBF
-  used is its inverse. With no history it is the prior; every failure and every hour of
-  uptime moves it towards the job's own rate.
+  used is its inverse, kept within ``[MIN_MTBF_S, MAX_MTBF_S]``. With no history it is the
+  prior; every failure and every hour of uptime moves it towards the job's own rate.
 * **Recovery.** From the process start (or the manager's opening, if the start is unknown) to
   the first training step after a restore: imports, compilation, restore. Recorded with each
   checkpoint; the last measured value is used.
+
+A history read back from a checkpoint is checked before it is believed (:func:`check_saved`):
+a count that is not an integer, a time that is negative or not finite, or values beyond what
+any job can have refuse the whole history, never half of it.
 """
 
 from __future__ import annotations
@@ -36,6 +44,16 @@ from pathlib import Path
 from typing import Any, final
 
 MARKER = ".cocijax-running"
+# Bounds of a saved history, beyond which it is refused as damaged: a million restarts, and
+# 10^9 s (32 years) of training or of one recovery, are more than any job has.
+MAX_FAILURES = 10**6
+MAX_SECONDS = 1e9
+# The learned MTBF is kept within these. Below a second no schedule helps (a step and a save
+# take longer) and the policies compute in float32, where a value that rounds to 0 is taken for
+# "unknown": a history of 1e300 failures made coci fall back on its 24 h prior and save nothing.
+# The ceiling keeps a finite value finite in float32 too.
+MIN_MTBF_S = 1.0
+MAX_MTBF_S = 1e12
 
 
 def process_age_s() -> float | None:
@@ -46,6 +64,48 @@ def process_age_s() -> float | None:
         return max(0.0, time.time() - psutil.Process().create_time())
     except Exception:  # psutil missing, or no permission to read the process table
         return None
+
+
+def failed_exit(error: BaseException | None, *, preempted: bool) -> bool:
+    """Whether a manager's ``with`` block left by ``error`` ends the run by a failure.
+
+    Every exception is one (a peer rank that died, a bug, ``KeyboardInterrupt``), except
+    ``SystemExit`` with status 0 or None and ``GeneratorExit`` (the program chose to end), and
+    any exit after a preemption save (the job saved and leaves, as it was asked to).
+    """
+    if error is None or preempted or isinstance(error, GeneratorExit):
+        return False
+    return not (isinstance(error, SystemExit) and error.code in (None, 0))
+
+
+def check_saved(saved: Any) -> tuple[dict[str, float] | None, str]:
+    """A history as a checkpoint recorded it (:meth:`RunHistory.to_json`), checked.
+
+    Args:
+      saved: the decoded ``history`` entry of a policy item, or None.
+
+    Returns:
+      ``(history, "")`` with ``uptime_s``, ``failures`` and ``recovery_s`` (NaN: none
+      measured), a missing field taking its value of a fresh job; or ``(None, reason)`` when
+      the history is not one a job can have.
+    """
+    if saved is None:
+        return {"uptime_s": 0.0, "failures": 0, "recovery_s": math.nan}, ""
+    if not isinstance(saved, dict):
+        return None, f"the history is a {type(saved).__name__}, not an object"
+    failures = saved.get("failures", 0)
+    if type(failures) is not int or not 0 <= failures <= MAX_FAILURES:
+        return None, f"failures={failures!r} is not an integer in [0, {MAX_FAILURES}]"
+    out: dict[str, Any] = {"failures": failures}
+    for name, default in (("uptime_s", 0.0), ("recovery_s", None)):
+        value = saved.get(name, default)
+        if value is None and name == "recovery_s":
+            out[name] = math.nan
+            continue
+        if type(value) not in (int, float) or not 0.0 <= value <= MAX_SECONDS:
+            return None, f"{name}={value!r} is not a number of seconds in [0, {MAX_SECONDS:g}]"
+        out[name] = float(value)
+    return out, ""
 
 
 @final
@@ -61,7 +121,7 @@ class RunHistory:
         :func:`process_age_s`): recovery is measured from the process start then.
 
     Attributes:
-      failures: failures of the job so far (previous runs that did not close cleanly).
+      failures: failures of the job so far (runs that did not close cleanly).
       recovery_s: the last measured recovery time in seconds (NaN before the first).
     """
 
@@ -79,54 +139,77 @@ class RunHistory:
         self._opened = clock()
         self._session_start = self._opened - (opened_at_age_s or 0.0)
         self._saved_uptime_s = 0.0  # uptime of previous runs, from the newest checkpoint
-        self._unclean = False
-        self._unrecorded = False  # the marker's failure is in no committed checkpoint yet
+        # The marker's count of the job's failures (those of runs that no checkpoint recorded
+        # included), and whether the run that wrote it failed (did not close cleanly).
+        self._marked, self._unclean = 0, False
+        self._recorded = 0  # failures the newest checkpoint records
+        self._failed = False  # this run left by an exception: its close keeps the marker
         self.failures = 0
         self.recovery_s = math.nan
         self._recovering = False
         if writer:
-            self._unclean = self._unrecorded = self._read_marker()
+            self._marked, self._unclean = self._read_marker()
+            self.failures = self._marked + self._unclean
             self._write_marker()
 
-    def _read_marker(self) -> bool:
-        """Whether the previous run left its marker (did not close cleanly)."""
+    def _read_marker(self) -> tuple[int, bool]:
+        """The previous run's marker: ``(failures it counted, whether that run failed)``."""
         try:
             text = self._marker.read_bytes().decode()
         except UnicodeDecodeError:
             text = ""  # corrupt: reported below
         except FileNotFoundError:
-            return False
+            return 0, False  # it closed cleanly with every failure recorded
         except OSError as e:
             warnings.warn(
                 f"{self._marker}: cannot read the running marker ({e}); counted as one failure.",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return True
+            return 0, True
         try:
-            json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            mark = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            mark = None
+        counted, _ = check_saved(mark) if isinstance(mark, dict) else (None, "")
+        if counted is None:
             warnings.warn(
                 f"{self._marker}: the running marker is corrupt; counted as one failure.",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return True
+            return 0, True
+        # A marker of cocijax before 0.3 holds no count (0) and always means "running".
+        return counted["failures"], mark.get("closed") is not True
 
-    def _write_marker(self) -> None:
+    def _write_marker(self, *, closed: bool = False) -> None:
+        mark = {"pid": os.getpid(), "opened_unix_s": time.time(), "failures": self.failures}
         tmp = self._marker.with_name(MARKER + ".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "opened_unix_s": time.time()}))
+        tmp.write_text(json.dumps({**mark, "closed": closed}))
         os.replace(tmp, self._marker)
 
-    def adopt(self, saved: dict[str, Any] | None) -> None:
+    def adopt(self, saved: Any) -> str:
         """Takes the history saved with the newest checkpoint (``None``: a fresh directory).
 
-        An unclean previous run adds one failure to the saved count, once.
+        The job's failures are the more of the checkpoint's and the marker's count, plus one
+        when the previous run failed. A history that :func:`check_saved` refuses counts as
+        none (the marker's count stays).
+
+        Returns:
+          ``""``, or why the saved history was refused.
         """
-        saved = saved or {}
-        self._saved_uptime_s = _non_negative(saved.get("uptime_s"), 0.0)
-        self.failures = int(_non_negative(saved.get("failures"), 0.0)) + int(self._unclean)
-        self.recovery_s = _non_negative(saved.get("recovery_s"), math.nan)
+        checked, reason = check_saved(saved)
+        if checked is None:
+            checked, _ = check_saved(None)
+        self._saved_uptime_s = checked["uptime_s"]
+        self._recorded = checked["failures"]
+        self.recovery_s = checked["recovery_s"]
+        failures = max(self._recorded, self._marked) + self._unclean
+        if self._writer and failures != self.failures:
+            self.failures = failures
+            self._write_marker()  # a crash from now on counts from this
+        self.failures = failures
+        return reason
 
     def restored(self) -> None:
         """The state was restored: the next training step ends the recovery."""
@@ -144,39 +227,41 @@ class RunHistory:
         return self._saved_uptime_s + max(0.0, self._clock() - self._opened)
 
     def mtbf_s(self, prior_mtbf_s: float) -> float:
-        """Posterior-mean MTBF estimate (see the module docstring)."""
-        return (prior_mtbf_s + self.uptime_s) / (1.0 + self.failures)
+        """Posterior-mean MTBF estimate, within its bounds (see the module docstring)."""
+        mtbf = (prior_mtbf_s + self.uptime_s) / (1.0 + self.failures)
+        return min(max(mtbf, MIN_MTBF_S), MAX_MTBF_S)
 
     def to_json(self) -> dict[str, Any]:
         """What a checkpoint records (``adopt`` reads it back)."""
         return {
-            "uptime_s": self.uptime_s,
+            "uptime_s": min(self.uptime_s, MAX_SECONDS),
             "failures": self.failures,
             "recovery_s": None if math.isnan(self.recovery_s) else self.recovery_s,
         }
 
     def recorded(self) -> None:
         """A checkpoint saved by this run has committed: the failures it carries are on record."""
-        self._unrecorded = False
+        self._recorded = self.failures
+
+    def failed(self) -> None:
+        """This run ends by an exception: :meth:`close` keeps the marker, the next run counts it."""
+        self._failed = True
 
     def close(self) -> None:
-        """Marks the directory clean: this run did not fail.
+        """Marks the directory clean, unless this run :meth:`failed`.
 
-        The marker stays when the previous run's failure is not recorded yet (no save of this
-        run committed): the next run counts that failure, once.
+        The marker is removed when a committed checkpoint records every failure; otherwise it
+        stays, saying "closed" with the count, so that the next run counts those failures once.
 
         Raises:
-          OSError: the marker cannot be removed (names it); the next run will count one failure.
+          OSError: the marker cannot be removed or rewritten (names it); the next run will
+            count one failure more.
         """
         if self._writer:
             self._writer = False
-            if not self._unrecorded:
+            if self._failed:
+                return
+            if self._recorded >= self.failures:
                 self._marker.unlink(missing_ok=True)
-
-
-def _non_negative(value: Any, default: float) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond floats
-        return default
-    return v if math.isfinite(v) and v >= 0 else default
+            else:
+                self._write_marker(closed=True)

@@ -34,7 +34,9 @@ class SaveDecisionPolicy:
     excess over the current step-time estimate (the last interval that followed a "no"
     decision) is fed to the policy as the checkpoint cost. Before any step time is known, such
     an interval stands for the step time, so a policy whose first decisions are "save" still
-    learns one.
+    learns one. Both are taken robustly (the median of the last three; see
+    ``cocijax.manager._driver``), and while no cost is known the first step timed without a
+    save in it (step 2 of a fresh job) is saved, so that the cost is measured at once.
 
     **Several processes.** Each process measures its own times; before every decision the
     measured values are broadcast from process 0 (``multihost_utils.broadcast_one_to_all``), so
@@ -99,7 +101,7 @@ class SaveDecisionPolicy:
         continues.
         """
         snapshot = self._driver.snapshot(self._observed_prev)
-        return json.dumps(self._driver.to_json(snapshot, cost_s=self._driver.cost_s))
+        return json.dumps(self._driver.to_json(snapshot))
 
     def load_state_json(self, data: str | dict[str, Any]) -> None:
         """Adopts a :meth:`state_json` document (the text, or its parsed dict).

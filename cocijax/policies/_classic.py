@@ -63,7 +63,7 @@ def _interval_policy(
         next_check = _base.halfway(seen.step, after / tau)
         return save, ClassicState(_base.clock_saved(clock, save, seen.step, next_check))
 
-    return _base.make_policy(_init, rule)
+    return _base.make_policy(_init, rule, mtbf_s=given)
 
 
 def fixed(every: int) -> Policy:
@@ -99,7 +99,7 @@ def fixed(every: int) -> Policy:
         next_multiple = (step // every + 1) * every
         return save, ClassicState(_base.clock_saved(clock, save, step, next_multiple))
 
-    return _base.make_policy(_init, rule)
+    return _base.make_policy(_init, rule, uses_cost=False)
 
 
 def young(

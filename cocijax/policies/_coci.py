@@ -324,7 +324,9 @@ def coci(
             rollback=rollback,
         )
 
-    return _base.make_policy(init, rule, total_steps=total_steps)
+    return _base.make_policy(
+        init, rule, total_steps=total_steps, mtbf_s=given_mtbf, recovery_s=given_rec
+    )
 
 
 def _track(state: CociState, loss, is_new, span, *, trend: bool):

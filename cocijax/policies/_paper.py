@@ -213,4 +213,4 @@ def coci_paper(
             count,
         )
 
-    return _base.make_policy(init, rule)
+    return _base.make_policy(init, rule, mtbf_s=m)

@@ -47,10 +47,11 @@ from cocijax.manager._contract import (
 )
 from cocijax.manager._driver import manager_driver
 from cocijax.manager._faults import run_all
-from cocijax.manager._history import RunHistory, process_age_s
+from cocijax.manager._history import RunHistory, failed_exit, process_age_s
 from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
+from cocijax.storage import DIGEST_KEY, check_digest, with_digest
 from cocijax.torch._directory import (
     METADATA_NAME,
     TMP_PREFIX,
@@ -111,9 +112,11 @@ class CheckpointManager:
 
     Step time is measured between ``save`` calls; checkpoint cost is the time ``save`` blocks
     (host copy, plus waiting for the previous save when it is still being written). Both feed
-    the policy, with the loss, on every call. A policy that knows the job's ``total_steps``
-    saves the last step, so a finished job keeps its final state; otherwise pass ``force=True``
-    at the last step.
+    the policy, with the loss, on every call, taken robustly as the JAX manager takes them (the
+    median of the last three), and step 2 of a fresh job is saved to measure the cost at once
+    (not with ``fixed``; see ``cocijax.manager._driver``). A policy that knows the job's
+    ``total_steps`` saves the last step, so a finished job keeps its final state; otherwise pass
+    ``force=True`` at the last step.
 
     **Best N.** ``metrics`` given to ``save`` are recorded in the step's ``cocijax.json``
     (rank 0's, with several ranks); with ``best_fn`` the ``max_to_keep`` best steps by them are
@@ -238,6 +241,8 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future | None = None
         self._closed = False
         self._history.adopt(None)
+        if latest is None and self._ranks.leader:
+            log.info("no checkpoint in %s: starting at step 1", self._dir)
         if latest is not None:
             self._load_policy_state(latest, self._steps[-1], history=True)
         # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
@@ -362,6 +367,8 @@ class CheckpointManager:
         if RESERVED in state:
             raise ValueError(f"state key {RESERVED!r} is reserved by cocijax.torch")
         loss = _as_float(loss)
+        if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
+            self._driver.state_size(_nbytes(state))
         saved = self._driver.decide(step, loss=loss) or force
         # One attribute test per step, unless the ranks gather their flags at agreed steps.
         preempted = (self._preemption.polled or self._preemption.signal is not None) and (
@@ -428,7 +435,8 @@ class CheckpointManager:
                 self._ranks.agree(lambda: _dcp_result(write, step, tmp), group=writes)
 
             def publish() -> None:
-                policy = self._driver.to_json(snapshot, cost_s=self._driver.cost_s)
+                # With a digest, as the JAX manager's policy item: a damaged one is refused.
+                policy = with_digest(self._driver.to_json(snapshot, cost_s=self._driver.cost_s))
                 commit(self._dir, tmp, step, {**meta, "policy": policy})
 
             self._ranks.lead(publish, group=writes)
@@ -576,11 +584,16 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- helpers
     def _load_policy_state(self, meta: dict, step: int, *, history: bool = False) -> None:
-        if history:
-            self._driver.load_history(meta.get("policy"))
         # A different policy than at save time cannot continue its schedule: said once.
         where = str(self._dir / str(step) / METADATA_NAME)
-        self._driver.adopt(meta.get("policy"), where=where, stacklevel=3)  # the user's call
+        policy = meta.get("policy")
+        if isinstance(policy, dict):  # its digest checked, then dropped (older ones had none)
+            if not check_digest(policy):
+                reason = f"{where}: the policy state does not match its digest (damaged)"
+                self._driver.start_fresh(reason, stacklevel=3)  # the user's open or restore
+                return
+            policy = {k: v for k, v in policy.items() if k != DIGEST_KEY}
+        self._driver.adopt(policy, where=where, stacklevel=3, history=history)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -613,7 +626,9 @@ class CheckpointManager:
         except Exception:
             pass
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
+        if failed_exit(exc[1], preempted=self._reached_preemption):
+            self._history.failed()  # the next run counts it (a rank died, a Ctrl-C)
         self.close()
 
 
@@ -639,6 +654,19 @@ def _as_step(step: Any) -> int:
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = int(step.item())
     return check_step(step)
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors a save of ``value`` writes (once, for the cost prior)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, torch.nn.Module):
+        return sum(map(_nbytes, value.state_dict().values()))
+    if isinstance(value, torch.optim.Optimizer):
+        return sum(_nbytes(v) for per_param in value.state.values() for v in per_param.values())
+    if isinstance(value, Mapping):
+        return sum(map(_nbytes, value.values()))
+    return int(getattr(value, "nbytes", 0) or 0)
 
 
 def _as_float(loss: Any) -> float:

@@ -33,8 +33,11 @@ class Seen(NamedTuple):
     calls: jax.Array  # shape=(), int32
 
 
-def recording(every: int) -> cj.policies.Policy:
-    """Saves every ``every`` steps and records the inputs of its last call in its state."""
+def recording(every: int, *, uses_cost: bool = True) -> cj.policies.Policy:
+    """Saves every ``every`` steps and records the inputs of its last call in its state.
+
+    ``uses_cost=False`` says its decisions do not use the cost: no early save measures one.
+    """
 
     def init():
         nan = jnp.float32(jnp.nan)
@@ -49,4 +52,4 @@ def recording(every: int) -> cj.policies.Policy:
         )
         return step % every == 0, new
 
-    return cj.policies.Policy(init, update)
+    return cj.policies.Policy(init, update, uses_cost=uses_cost)

@@ -2,6 +2,7 @@
 and the same best-N retention, preemption saves and final step (real files, real signals)."""
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -9,9 +10,11 @@ import warnings
 
 import numpy as np
 import pytest
+from manager_helpers import FakeClock  # pytest puts tests/ on sys.path
 
 import cocijax as cj
 from cocijax.manager import ManagerClosedError, ManagerProtocol
+from cocijax.manager._driver import prior_cost_s
 
 
 def _jax_manager(path, policy=None, **kwargs):
@@ -192,3 +195,81 @@ def test_outside_the_main_thread_a_warning_and_no_handler(tmp_path, kind):
     (said,) = [w for w in caught if "main thread" in str(w.message)]
     assert issubclass(said.category, RuntimeWarning)
     assert "'trainer'" in str(said.message) and "preemption_signals=()" in str(said.message)
+
+
+EXITS = {
+    "an error": RuntimeError("gloo: the peer rank is gone"),
+    "Ctrl-C": KeyboardInterrupt(),
+    "sys.exit(0)": SystemExit(0),
+    "an error after a preemption save": RuntimeError("after the preemption save"),
+}
+
+
+@pytest.mark.parametrize("how", EXITS)
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_leaving_the_with_block_by_an_exception_is_a_failure(tmp_path, kind, how):
+    """Finding 20: under torchrun, rank 1 killed during a save made rank 0's commit fail; the
+    error left the `with` block and close() removed the running marker (this run had committed
+    a save), so the restarted job counted no failure."""
+    make, state = MANAGERS[kind]
+    with (
+        pytest.raises(type(EXITS[how])),
+        make(tmp_path, preemption_signals=(signal.SIGUSR1,)) as mngr,
+    ):
+        mngr.save(1, state(), loss=1.0, force=True)
+        mngr.wait_until_finished()  # committed: a clean close would remove the marker
+        if how == "an error after a preemption save":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mngr.save(2, state(), loss=1.0) and mngr.reached_preemption
+        raise EXITS[how]
+    with make(tmp_path) as again:
+        failed = how in ("an error", "Ctrl-C")
+        assert again.measurements.failures == int(failed)
+
+
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_measurements_show_the_mtbf_and_recovery_the_policy_uses(tmp_path, kind):
+    """Issue 30: a policy built with mtbf_s=1.0 was reported with the 24 h prior."""
+    make, state = MANAGERS[kind]
+    with make(tmp_path, policy=cj.policies.coci(mtbf_s=1.0, recovery_s=5.0)) as mngr:
+        mngr.save(1, state(), loss=1.0)
+        assert (mngr.measurements.mtbf_s, mngr.measurements.recovery_s) == (1.0, 5.0)
+    # Without its own, the policy uses what the directory learned (no failure: the prior).
+    with make(tmp_path / "learned", policy=cj.policies.young(), prior_mtbf_s=7200.0) as mngr:
+        mngr.save(1, state(), loss=1.0)
+        assert 7200.0 <= mngr.measurements.mtbf_s < 7200.0 + 60.0
+
+
+STATE_BYTES = {"jax": 3 * 8, "torch": 3 * 4}  # np.arange(3.0), torch.arange(3.0)
+
+
+@pytest.mark.parametrize("kind", MANAGERS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
+def test_a_fresh_job_is_said_and_saved_early_to_measure_its_cost(tmp_path, kind, caplog):
+    """The first hour: coci() assumed a 10 s save until one was timed; its first save came
+    after ~330 s of training, so a 20 s job kept only its final step and a kill restarted it
+    from step 0, with no word. Now the first timed step (step 2) is saved."""
+    make, state = MANAGERS[kind]
+    clock = FakeClock(tick=0.25)
+    started = f"no checkpoint in {tmp_path}: starting at step 1"
+    with caplog.at_level(logging.INFO), make(tmp_path, policy=cj.policies.coci(), clock=clock) as m:
+        assert started in caplog.messages
+        decisions = []
+        for step in range(1, 6):
+            clock.advance(1.0)
+            decisions.append(m.save(step, state(), loss=1.0))
+            if step == 1:  # until a save is timed, a cost from the state's size
+                assert m.measurements.cost_estimate_s == prior_cost_s(STATE_BYTES[kind])
+        assert decisions == [False, True, False, False, False]
+        m.wait_until_finished()
+        assert m.all_steps() == [2]
+        assert m.measurements.cost_estimate_s == m.measurements.last_save_s > 0
+    caplog.clear()
+    # Reopened, the job has the cost its checkpoint measured: no early save, no word.
+    with caplog.at_level(logging.INFO), make(tmp_path, policy=cj.policies.coci(), clock=clock) as m:
+        assert started not in caplog.messages
+        for step in range(3, 8):
+            clock.advance(1.0)
+            assert not m.save(step, state(), loss=1.0)

@@ -1,15 +1,25 @@
 """The job history a checkpoint directory keeps (failures, uptime, MTBF, recovery), and its use."""
 
+import json
 import math
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import cocijax as cj
-from cocijax.manager._history import MARKER, RunHistory, process_age_s
+from cocijax.manager._history import (
+    MARKER,
+    MAX_FAILURES,
+    MAX_SECONDS,
+    MIN_MTBF_S,
+    RunHistory,
+    process_age_s,
+)
+from cocijax.storage import DIGEST_KEY, with_digest
 
 
 class Clock:
@@ -102,11 +112,70 @@ def test_recovery_is_timed_from_the_process_start_to_the_first_step_after_a_rest
     assert h.to_json()["recovery_s"] == pytest.approx(12.0)
 
 
-@pytest.mark.parametrize("bad", [{"uptime_s": -5.0}, {"uptime_s": "x"}, {"failures": math.nan}])
-def test_bad_saved_values_fall_back_to_none_known(tmp_path, bad):
+def test_a_crash_loop_counts_every_failure_until_a_save_records_them(tmp_path):
+    """Issue 30: four kills within seconds of the start, before any save, counted as one (the
+    marker held no count), so the MTBF estimate stayed at its prior."""
+    clock = Clock()
+    for _ in range(4):
+        RunHistory(tmp_path, clock=clock).adopt(None)  # then killed: no close, no save
+    fifth = RunHistory(tmp_path, clock=clock)
+    fifth.adopt(None)
+    assert fifth.failures == 4
+    assert fifth.mtbf_s(3600.0) == pytest.approx(3600.0 / 5)
+    fifth.close()  # a clean close, but no save recorded them: the next run counts them, once
+    assert json.loads((tmp_path / MARKER).read_text())["closed"] is True
+    sixth = RunHistory(tmp_path, clock=clock)
+    sixth.adopt(None)
+    assert sixth.failures == 4
+    saved = sixth.to_json()
+    sixth.recorded()  # a checkpoint carrying `saved` committed
+    sixth.close()
+    assert not (tmp_path / MARKER).exists()
+    seventh = RunHistory(tmp_path, clock=clock)
+    seventh.adopt(saved)
+    assert seventh.failures == 4  # recorded, not counted again
+    seventh.recorded()  # recorded again, then killed
+    eighth = RunHistory(tmp_path, clock=clock)
+    eighth.adopt(saved)
+    assert eighth.failures == 5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"uptime_s": -5.0},
+        {"uptime_s": "x"},
+        {"failures": math.nan},
+        {"failures": 5000.0},
+        {"failures": 1e300},
+        {"failures": 10**7},
+        {"failures": True},
+        {"uptime_s": 1e300},
+        {"recovery_s": math.inf},
+        ["not", "a", "history"],
+    ],
+)
+def test_a_history_no_job_can_have_is_refused_whole(tmp_path, bad):
     h = RunHistory(tmp_path, clock=Clock())
-    h.adopt(bad)
-    assert h.uptime_s >= 0.0 and h.failures == 0
+    reason = h.adopt(
+        {"failures": 2, "uptime_s": 50.0, "recovery_s": 3.0, **bad}
+        if isinstance(bad, dict)
+        else bad
+    )
+    assert reason  # said why
+    assert h.uptime_s == 0.0 and h.failures == 0 and math.isnan(h.recovery_s)
+    assert h.mtbf_s(3600.0) == 3600.0
+
+
+def test_the_learned_mtbf_stays_within_bounds(tmp_path):
+    """Finding 21: a history made the MTBF 8.6e-296 s, 0 in float32, where coci takes it for
+    "unknown" and falls back on its 24 h prior: 0 saves in 300 steps."""
+    h = RunHistory(tmp_path, clock=Clock())
+    assert h.adopt({"failures": MAX_FAILURES, "uptime_s": 0.0}) == ""
+    assert h.mtbf_s(3600.0) == MIN_MTBF_S  # 3600 / 10^6 would be 3.6 ms
+    assert h.adopt({"failures": 0, "uptime_s": MAX_SECONDS}) == ""
+    assert h.mtbf_s(3600.0) == pytest.approx(MAX_SECONDS + 3600.0)
+    assert np.float32(h.mtbf_s(3600.0)) < np.inf
 
 
 def test_readers_do_not_mark_the_directory(tmp_path):
@@ -150,7 +219,7 @@ def test_the_manager_learns_a_failure_and_passes_mtbf_and_recovery_to_the_policy
     assert not (tmp_path / MARKER).exists()  # a clean close
     with cj.CheckpointManager(tmp_path, policy=policy, prior_mtbf_s=7200.0) as mngr:
         assert mngr.measurements.failures == 1  # the failure travelled with the checkpoint
-        assert 0.0 < mngr.measurements.recovery_s < 300.0
+        assert 0.0 < mngr.measurements.recovery_s <= (300.0 if age is None else age)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, "4h"])
@@ -158,3 +227,28 @@ def test_a_bad_prior_mtbf_is_refused_by_name(tmp_path, bad):
     with pytest.raises(ValueError, match="prior_mtbf_s"):
         cj.CheckpointManager(tmp_path, prior_mtbf_s=bad)
     assert not (tmp_path / MARKER).exists()  # refused before anything was marked
+
+
+@pytest.mark.parametrize("damage", ["no format, no digest", "a count no job has"])
+def test_a_damaged_policy_item_changes_no_history(tmp_path, damage):
+    """Finding 21: an item that `adopt` refused ("not a cocijax policy state") still gave the
+    policy its history: "failures": 5000 made the MTBF 17 s, 1e300 made it 8.6e-296 s, and
+    every later checkpoint carried the count on."""
+    with cj.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr:
+        mngr.save(1, {"x": jnp.ones(2)}, loss=1.0)
+    item = tmp_path / "1" / "policy" / "policy_state.json"
+    if damage == "no format, no digest":
+        item.write_text(json.dumps({"history": {"failures": 5000, "uptime_s": 0.0}}))
+    else:  # a well-formed item with its digest, whose history no job can have
+        good = {k: v for k, v in json.loads(item.read_text()).items() if k != DIGEST_KEY}
+        item.write_text(json.dumps(with_digest({**good, "history": {"failures": 10**9}})))
+    policy = cj.policies.young(prior_mtbf_s=7200.0)
+    with (
+        pytest.warns(RuntimeWarning, match="1/policy.*(not a cocijax policy|history)"),
+        cj.CheckpointManager(tmp_path, policy=policy, prior_mtbf_s=7200.0) as mngr,
+    ):
+        assert mngr.measurements.failures == 0
+        assert 7200.0 <= mngr.measurements.mtbf_s < 7200.0 + 60.0
+        mngr.save(2, {"x": jnp.ones(2)}, loss=1.0, force=True)
+    saved = json.loads((tmp_path / "2" / "policy" / "policy_state.json").read_text())
+    assert saved["history"]["failures"] == 0  # the damage is not written on

@@ -46,7 +46,9 @@ def test_a_plain_orbax_manager_saves_the_last_step_of_a_known_length_job(tmp_pat
             sdp.observe(1.0 / step)
             mngr.save(step, args=ocp.args.StandardSave({"x": np.full(3, step)}))
         mngr.wait_until_finished()
-        assert list(mngr.all_steps()) == [12]  # an MTBF of years: only the final model
+        # An MTBF of years: only the final model, and step 2, the early save that measured
+        # the cost (steps 1 and 2 are not timed with a save in them).
+        assert list(mngr.all_steps()) == [2, 12]
 
 
 def test_measures_times_and_splits_off_the_save_cost():
@@ -58,7 +60,8 @@ def test_measures_times_and_splits_off_the_save_cost():
         sdp.should_save(info(step), [], context=CONTEXT)
         if step == 2:
             seen = sdp.state
-            assert float(seen.step_time) == 1.0 and math.isnan(seen.cost)
+            # One step time is measured (1 s), not given until a second confirms it.
+            assert math.isnan(seen.step_time) and math.isnan(seen.cost)
             assert float(seen.loss) == 4.0  # step 1's loss, read one step late
     seen = sdp.state
     # Step 2 saved; the interval before step 3 (3.5 s) holds a 1 s step and a 2.5 s save.
@@ -137,6 +140,26 @@ def test_a_first_save_decision_does_not_leave_it_without_a_step_time():
             clock.advance(0.02)  # the save Orbax makes after a "yes"
     measured = json.loads(sdp.state_json())
     assert measured["step_time_s"] == pytest.approx(0.002, rel=1e-6)
-    # With 2 ms steps and a 50 ms prior cost, the 5% stall budget is 500 steps: after the
-    # first save, none is due within 40 steps.
-    assert saves == [1], saves
+    # Until a step time is given (from the second measured, step 3's), CheckFreq checks at
+    # every step and saves (step 2 too). The intervals after those saves are all the step
+    # time there is (upper bounds); the first clean one (step 4's) replaces them, and the
+    # early save after it measures the cost: 20 ms, split off a 2 ms step. The 5% stall
+    # budget is then 200 steps: no save is due within 40 steps.
+    assert measured["cost_s"] == pytest.approx(0.02, rel=1e-6)
+    assert saves == [1, 2, 4], saves
+
+
+def test_the_readme_example_saves_early_and_measures_the_cost(tmp_path):
+    """The first hour: SaveDecisionPolicy as in the README saved nothing in 300 steps."""
+    clock = FakeClock()
+    sdp = cj.SaveDecisionPolicy(cj.policies.coci(mtbf_s=4 * 3600.0), clock=clock)
+    options = ocp.CheckpointManagerOptions(save_decision_policy=sdp)
+    with ocp.CheckpointManager(tmp_path / "ck", options=options) as mngr:
+        for step in range(1, 301):
+            clock.advance(0.1)  # the training step
+            sdp.observe(1.0 / step)
+            if mngr.save(step, args=ocp.args.StandardSave({"x": np.full(3, step)})):
+                clock.advance(0.05)  # the save
+        mngr.wait_until_finished()
+        assert min(mngr.all_steps()) == 2
+    assert json.loads(sdp.state_json())["cost_s"] == pytest.approx(0.05)

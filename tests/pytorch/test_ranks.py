@@ -29,7 +29,9 @@ from torch_helpers import ManualClock, SlowStaging, replay
 
 import cocijax as cj
 import cocijax.torch as cjt
+from cocijax.manager._driver import prior_cost_s
 from cocijax.manager._retention import BestN
+from cocijax.torch._manager import _nbytes
 
 HERE = Path(__file__).parent
 EXAMPLE = HERE.parents[1] / "examples" / "torch_train.py"
@@ -141,7 +143,11 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     policy = cj.policies.young(**policy_kwargs)
-    own = [replay(policy, r["step_times"], r["losses"], r["cost_s"], n)[0] for r in ranks]
+    prior = prior_cost_s(_nbytes({"model": torch.nn.Linear(4, 3)}))  # the worker's state
+    own = [
+        replay(policy, r["step_times"], r["losses"], r["cost_s"], n, cost_prior_s=prior)[0]
+        for r in ranks
+    ]
     assert own[0] != own[1], "the ranks' inputs lead to the same decisions: nothing is tested"
     assert records[0]["decisions"] == records[1]["decisions"] == own[0]
     saved_steps = [s for s, saved in enumerate(own[0], 1) if saved]
@@ -236,6 +242,10 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     assert f"resumed from step {second[-1]}" in final.stdout
     assert _digest(final.stdout) == _digest(reference.stdout)
     assert _committed(ckpt)[-1] == 100
+    # Both failures are counted: rank 1's death (rank 0 left its `with` block by an error, and
+    # its close kept the running marker) and the kill of the whole job.
+    meta = json.loads((ckpt / "100" / cjt.METADATA_NAME).read_text())
+    assert meta["policy"]["history"]["failures"] == 2
 
 
 def _preempted(output: str) -> int:

@@ -33,23 +33,31 @@ class SlowStaging:
         self.value = sd["value"]
 
 
-def replay(policy: Any, step_times, losses, cost_s: float, n: int) -> tuple[list[bool], Any]:
+def replay(
+    policy: Any, step_times, losses, cost_s: float, n: int, *, cost_prior_s: float
+) -> tuple[list[bool], Any]:
     """The JAX policy run directly on the inputs a manager must have measured.
 
-    Step 1 is not timed (it includes compilation, like the JAX manager's first step); every
-    save costs ``cost_s``.
+    Step 1 is not timed (it includes compilation, like the JAX manager's first step); a step
+    time is given from the second one measured on, as the median of the last three (the lower
+    of two). The cost is ``cost_prior_s`` until a save is timed, then ``cost_s``. With no cost
+    known, the first timed step (step 2) is saved early, which the policy is not told.
     """
     update = jax.jit(policy.update)
-    state, cost, saves = policy.init(), math.nan, []
+    state, cost, saves, measured, timed = policy.init(), cost_prior_s, [], [], False
     for s in range(1, n + 1):
+        if s > 1:
+            measured.append(step_times[s - 1])
+        recent = sorted(measured[-3:])
+        step_time = recent[(len(recent) - 1) // 2] if len(measured) > 1 else math.nan
         save, state = update(
             state,
             step=np.int32(s),
             loss=np.float32(losses[s - 1]),
-            step_time_s=np.float32(step_times[s - 1] if s > 1 else math.nan),
+            step_time_s=np.float32(step_time),
             checkpoint_cost_s=np.float32(cost),
         )
-        saves.append(bool(save))
-        if save:
-            cost = cost_s
+        saves.append(bool(save) or (s == 2 and not timed))
+        if saves[-1]:
+            cost, timed = cost_s, True
     return saves, state
