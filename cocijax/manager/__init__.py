@@ -15,14 +15,14 @@ With ``durable=``, the JAX manager keeps a second, durable tier (``_tiers``): co
 are drained there in the background (an object store or a shared file system).
 """
 
-from cocijax.manager._checkpoint_manager import CheckpointManager
-from cocijax.manager._contract import (
+from cocijax.core._contract import (
     DirectoryLockedError,
     ManagerClosedError,
     ManagerProtocol,
     Measurements,
     StepDeletedError,
 )
+from cocijax.manager._checkpoint_manager import CheckpointManager
 from cocijax.manager._save_decision import SaveDecisionPolicy
 from cocijax.manager._tiers import DurableTierError
 

@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import move_aside
-from cocijax.manager._contract import (
+from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
     ManagerClosedError,
@@ -50,6 +50,12 @@ from cocijax.manager._contract import (
     check_step,
     check_step_order,
 )
+from cocijax.core._driver import manager_driver, stage_loss, tree_nbytes
+from cocijax.core._history import RunHistory, failed_exit, process_age_s
+from cocijax.core._lock import DirectoryLock
+from cocijax.core._preemption import PreemptionWatcher, check_signals
+from cocijax.core._retention import BestN, MetricsCheck
+from cocijax.core._session import run_all
 from cocijax.manager._directory import (
     METRICS_ITEM,
     POLICY_ITEM,
@@ -64,21 +70,16 @@ from cocijax.manager._directory import (
     orbax_reader_notice_dropped,
     split_best,
 )
-from cocijax.manager._driver import manager_driver, stage_loss, tree_nbytes
-from cocijax.manager._faults import naming, retry_deletions, run_all, wait
+from cocijax.manager._faults import naming, retry_deletions, wait
 from cocijax.manager._gc import Remover, collect_garbage, quarantine
-from cocijax.manager._history import RunHistory, failed_exit, process_age_s
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
     open_identity,
     read_identity,
 )
-from cocijax.manager._lock import DirectoryLock
 from cocijax.manager._orbax_steps import OrbaxStep, restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
-from cocijax.manager._preemption import PreemptionWatcher, check_signals
-from cocijax.manager._retention import BestN, MetricsCheck
 from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
 from cocijax.manager._tiers import open_durable
 
@@ -99,7 +100,7 @@ class CheckpointManager:
       The first step after opening or :meth:`restore` is not timed (it usually includes
       compilation): the policy is given the step time saved with the checkpoint, or NaN
       ("unknown") in a fresh directory. The policy gets the median of the last three (one
-      pause is never taken for the job's pace; see ``cocijax.manager._driver``).
+      pause is never taken for the job's pace; see ``cocijax.core._driver``).
     * **checkpoint cost**: the blocking time of a save, including the wait for the previous
       asynchronous save if it was still running (a real stall of training); the median of the
       last three. Until one is measured, a cost from the state's size; and the first timed

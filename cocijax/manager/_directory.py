@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from cocijax import storage
-from cocijax.manager._contract import check_extra_names
+from cocijax.core._contract import check_extra_names
 from cocijax.manager._durable import DurableRenameTemporaryPath
 from cocijax.manager._orbax_steps import OrbaxStep, find_orbax_step
 

@@ -20,15 +20,16 @@ libfiu (``tests/reliability/test_io_errors.py``):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 
+from cocijax.core._session import run_all
 from cocijax.manager._directory import STEP_RE, is_committed
 
-__all__ = ["naming", "retry_deletions", "run_all", "wait"]
+__all__ = ["naming", "retry_deletions", "wait"]
 
 
 @contextlib.contextmanager
@@ -55,26 +56,6 @@ def naming(where: Path, inside: Sequence[Path]) -> Iterator[None]:
         for note in getattr(e, "__notes__", ()):
             renamed.add_note(note)
         raise renamed from e
-
-
-def run_all(*calls: Callable[[], object]) -> None:
-    """Calls every one of ``calls`` whatever the earlier ones raise; then raises the first error.
-
-    Later errors are attached to the first as notes, so none is lost and none masks the first
-    (a ``finally`` chain would raise the last). A ``KeyboardInterrupt`` does not stop the calls
-    that follow it either: they release what must be released.
-    """
-    first: BaseException | None = None
-    for call in calls:
-        try:
-            call()
-        except BaseException as e:
-            if first is None:
-                first = e
-            else:
-                first.add_note(f"also: {type(e).__name__}: {e}")
-    if first is not None:
-        raise first
 
 
 def wait(orbax: ocp.CheckpointManager, where: Path, inside: Sequence[Path]) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
-from cocijax.manager._driver import PolicyDriver, stage_loss
+from cocijax.core._driver import PolicyDriver, stage_loss
 
 __all__ = ["SaveDecisionPolicy"]
 
@@ -35,7 +35,7 @@ class SaveDecisionPolicy:
     decision) is fed to the policy as the checkpoint cost. Before any step time is known, such
     an interval stands for the step time, so a policy whose first decisions are "save" still
     learns one. Both are taken robustly (the median of the last three; see
-    ``cocijax.manager._driver``), and while no cost is known the first step timed without a
+    ``cocijax.core._driver``), and while no cost is known the first step timed without a
     save in it (step 2 of a fresh job) is saved, so that the cost is measured at once.
 
     **Several processes.** Each process measures its own times; before every decision the

@@ -7,7 +7,7 @@ Layout of ``directory``::
     .tmp-<step>-<session>/  a save still being written (removed when a manager opens)
     .cocijax-deleted/       the trash: deleted directories whose files are being removed
     .cocijax.lock           the writer's lock (rank 0's)
-    .cocijax-running        the running marker (see ``cocijax.manager._history``)
+    .cocijax-running        the running marker (see ``cocijax.core._history``)
 
 A step is committed by renaming its temporary directory to ``<step>`` once every rank's files
 and ``cocijax.json`` are durable, and deleted by renaming it into the trash before any of its

@@ -12,8 +12,8 @@ measured inputs are broadcast, see ``_ranks``), and rank 0 alone commits, delete
 directory's lock, once every rank's writes are done.
 
 Retention and preemption are the JAX manager's, from the same modules: best-N by ``metrics``
-(``cocijax.manager._retention``, rank 0 deciding from the metrics in each step's
-``cocijax.json``) and preemption signals turned into one save (``cocijax.manager._preemption``,
+(``cocijax.core._retention``, rank 0 deciding from the metrics in each step's
+``cocijax.json``) and preemption signals turned into one save (``cocijax.core._preemption``,
 the ranks' flags gathered on the ``control`` group so that all save the same step).
 """
 
@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cocijax import policies as _policies
-from cocijax.manager._contract import (
+from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
     FromDriver,
@@ -45,12 +45,12 @@ from cocijax.manager._contract import (
     check_step,
     check_step_order,
 )
-from cocijax.manager._driver import manager_driver
-from cocijax.manager._faults import run_all
-from cocijax.manager._history import RunHistory, failed_exit, process_age_s
-from cocijax.manager._lock import DirectoryLock
-from cocijax.manager._preemption import PreemptionWatcher, check_signals
-from cocijax.manager._retention import BestN, MetricsCheck
+from cocijax.core._driver import manager_driver
+from cocijax.core._history import RunHistory, failed_exit, process_age_s
+from cocijax.core._lock import DirectoryLock
+from cocijax.core._preemption import PreemptionWatcher, check_signals
+from cocijax.core._retention import BestN, MetricsCheck
+from cocijax.core._session import run_all
 from cocijax.storage import DIGEST_KEY, check_digest, with_digest
 from cocijax.torch._directory import (
     METADATA_NAME,
@@ -114,7 +114,7 @@ class CheckpointManager:
     (host copy, plus waiting for the previous save when it is still being written). Both feed
     the policy, with the loss, on every call, taken robustly as the JAX manager takes them (the
     median of the last three), and step 2 of a fresh job is saved to measure the cost at once
-    (not with ``fixed``; see ``cocijax.manager._driver``). A policy that knows the job's
+    (not with ``fixed``; see ``cocijax.core._driver``). A policy that knows the job's
     ``total_steps`` saves the last step, so a finished job keeps its final state; otherwise pass
     ``force=True`` at the last step.
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-from cocijax.manager._contract import check_extra_names
+from cocijax.core._contract import check_extra_names
 
 __all__ = [
     "RESERVED",

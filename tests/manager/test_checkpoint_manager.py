@@ -20,8 +20,8 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 
 import cocijax as cj
 from cocijax import _files, storage
+from cocijax.core._driver import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
 from cocijax.manager import DirectoryLockedError
-from cocijax.manager._driver import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
 from cocijax.storage import _manifest
 
 

@@ -13,8 +13,8 @@ import pytest
 from manager_helpers import FakeClock  # pytest puts tests/ on sys.path
 
 import cocijax as cj
+from cocijax.core._driver import prior_cost_s
 from cocijax.manager import ManagerClosedError, ManagerProtocol
-from cocijax.manager._driver import prior_cost_s
 
 
 def _jax_manager(path, policy=None, **kwargs):

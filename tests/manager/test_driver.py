@@ -14,7 +14,7 @@ import pytest
 from manager_helpers import FakeClock  # pytest puts tests/ on sys.path
 
 import cocijax as cj
-from cocijax.manager._driver import PolicyDriver
+from cocijax.core._driver import PolicyDriver
 
 JUMP_S = 1e6  # a long SIGSTOP, a suspended VM
 

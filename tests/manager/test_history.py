@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cocijax as cj
-from cocijax.manager._history import (
+from cocijax.core._history import (
     MARKER,
     MAX_FAILURES,
     MAX_SECONDS,

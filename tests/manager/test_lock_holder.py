@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 import cocijax as cj
+from cocijax.core._lock import DirectoryLock
 from cocijax.manager import DirectoryLockedError
-from cocijax.manager._lock import DirectoryLock
 
 _HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from cocijax.manager._lock import DirectoryLock
+    from cocijax.core._lock import DirectoryLock
 
     DirectoryLock(Path(sys.argv[1])).acquire()
     print("locked", flush=True)

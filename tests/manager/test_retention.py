@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cocijax as cj
-from cocijax.manager._retention import BestN
+from cocijax.core._retention import BestN
 
 # Eval accuracy at steps 1..8; the newest step (8) is the worst but one.
 ACC = {1: 0.50, 2: 0.90, 3: 0.60, 4: 0.95, 5: 0.40, 6: 0.70, 7: 0.80, 8: 0.45}

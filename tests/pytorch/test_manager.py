@@ -15,8 +15,8 @@ from torch_helpers import ManualClock, SlowStaging, replay
 
 import cocijax as cj
 import cocijax.torch as cjt
+from cocijax.core._driver import PRIOR_FIXED_S, PRIOR_WRITE_RATE_BPS, prior_cost_s
 from cocijax.manager import DirectoryLockedError
-from cocijax.manager._driver import PRIOR_FIXED_S, PRIOR_WRITE_RATE_BPS, prior_cost_s
 from cocijax.torch._manager import _nbytes
 
 # cocijax.torch silences this DCP warning at import; pytest resets filters for each test.

@@ -29,8 +29,8 @@ from torch_helpers import ManualClock, SlowStaging, replay
 
 import cocijax as cj
 import cocijax.torch as cjt
-from cocijax.manager._driver import prior_cost_s
-from cocijax.manager._retention import BestN
+from cocijax.core._driver import prior_cost_s
+from cocijax.core._retention import BestN
 from cocijax.torch._manager import _nbytes
 
 HERE = Path(__file__).parent

@@ -24,8 +24,8 @@ import numpy as np
 from _fiu_worker import Fiu, exit_after, open_manager
 
 import cocijax as cj
-from cocijax.manager._history import MARKER
-from cocijax.manager._lock import DirectoryLock
+from cocijax.core._history import MARKER
+from cocijax.core._lock import DirectoryLock
 
 
 def state(step: int) -> dict[str, Any]:

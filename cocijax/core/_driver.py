@@ -8,7 +8,7 @@ blocked (the managers time their own saves with :meth:`PolicyDriver.saving`;
 into the step time it has and the save's cost). The first interval after opening or restoring is
 not timed: it includes compilation. The driver feeds a :class:`cocijax.policies.Runner` (no
 dispatch and no device sync on a step before the policy's next check), passes the job's learned
-MTBF and recovery time (:mod:`cocijax.manager._history`), and serialises everything a restarted
+MTBF and recovery time (:mod:`cocijax.core._history`), and serialises everything a restarted
 job needs to continue the same schedule.
 
 **Robust inputs.** A process stopped for a while (``SIGSTOP``, a debugger, a suspended VM) or
@@ -46,8 +46,8 @@ import jax
 import numpy as np
 
 from cocijax._validate import POSITIVE, check
-from cocijax.manager._contract import Measurements
-from cocijax.manager._history import RunHistory
+from cocijax.core._contract import Measurements
+from cocijax.core._history import RunHistory
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
 from cocijax.policies._classic import DEFAULT_COST_PRIOR_S
 

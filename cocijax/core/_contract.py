@@ -19,10 +19,10 @@ every training step and a policy decides. Both raise the same errors for the sam
   object without ``state_dict``): ``TypeError`` naming the key; a reserved item name:
   ``ValueError``.
 
-Both keep the best steps by ``metrics`` with :class:`cocijax.manager._retention.BestN` (the
+Both keep the best steps by ``metrics`` with :class:`cocijax.core._retention.BestN` (the
 newest ``keep_latest`` steps are never dropped) and turn preemption signals into one save with
-:class:`cocijax.manager._preemption.PreemptionWatcher`. Both answer ``policy_state`` and
-``measurements`` from their driver (``cocijax.manager._driver.PolicyDriver``) with the same
+:class:`cocijax.core._preemption.PreemptionWatcher`. Both answer ``policy_state`` and
+``measurements`` from their driver (``cocijax.core._driver.PolicyDriver``) with the same
 attributes, :data:`POLICY_STATE` and :data:`MEASUREMENTS` (see :class:`FromDriver`).
 """
 

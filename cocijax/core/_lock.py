@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from cocijax.manager._contract import DirectoryLockedError
+from cocijax.core._contract import DirectoryLockedError
 
 __all__ = ["LOCK_FILE", "DirectoryLock"]
 
@@ -36,7 +36,7 @@ class DirectoryLock:
       >>> DirectoryLock(lock.path.parent).acquire()
       Traceback (most recent call last):
       ...
-      cocijax.manager._contract.DirectoryLockedError: directory: ... is open for writing by ...
+      cocijax.core._contract.DirectoryLockedError: directory: ... is open for writing by ...
       >>> lock.release()
     """
 
