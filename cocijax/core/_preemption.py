@@ -35,6 +35,7 @@ Nothing here imports JAX or PyTorch: each manager passes its own ``allgather`` a
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
@@ -44,7 +45,7 @@ from typing import Any, final
 
 import numpy as np
 
-__all__ = ["PreemptionWatcher", "check_signals"]
+__all__ = ["Preemption", "PreemptionWatcher", "check_signals"]
 
 # Training seconds (process 0's step time) between two flag exchanges across processes; far
 # below the 30 s or more of notice that schedulers give.
@@ -296,3 +297,46 @@ class PreemptionWatcher:
         gathered = np.asarray(self._allgather(mine)).reshape(-1, 2)
         self._next_exchange = step + int(gathered[0, 1])  # process 0's interval, everywhere
         return bool(gathered[:, 0].any())
+
+
+@final
+class Preemption:
+    """A manager's preemption save: whether a step is it, and what follows it.
+
+    Both managers ask :meth:`due` at every ``save`` (one attribute test, unless the processes
+    must poll together), save the step whatever the policy says when it is due, then call
+    :meth:`taken`.
+
+    Args:
+      watcher: the manager's :class:`PreemptionWatcher` (installed by the manager).
+      owner: names the manager in the log (its directory).
+
+    Attributes:
+      step: the preemption step, once due: the job resumes from it, so retention keeps it.
+      reached: its save has committed (the manager's ``reached_preemption``).
+    """
+
+    def __init__(self, watcher: PreemptionWatcher, *, owner: str):
+        self.watcher = watcher
+        self._owner = owner
+        self.step: int | None = None
+        self.reached = False
+
+    def due(self, step: int, step_time_s: float) -> bool:
+        """Whether ``step`` is the preemption save step (True at one step only)."""
+        watcher = self.watcher
+        due = (watcher.polled or watcher.signal is not None) and watcher.due(step, step_time_s)
+        if due:
+            self.step = step
+        return due
+
+    def taken(self, step: int, wait: Callable[[], None]) -> None:
+        """The preemption save of ``step`` has started: waits for its commit (``wait``), then
+        ends the job as the signal would have, by default (see :meth:`PreemptionWatcher.end_job`).
+        """
+        wait()
+        self.reached = True
+        logging.getLogger(__name__).info(
+            "%s: preemption signal: step %d saved and committed", self._owner, step
+        )
+        self.watcher.end_job()  # by default the process ends here, as it would have

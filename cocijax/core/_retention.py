@@ -20,7 +20,7 @@ from typing import Any, final
 
 import numpy as np
 
-__all__ = ["BestN", "MetricsCheck", "check_metrics"]
+__all__ = ["BestN", "MetricsCheck", "Retention", "check_metrics"]
 
 Metrics = Mapping[str, Any]
 
@@ -212,3 +212,56 @@ class MetricsCheck:
                 stacklevel=stacklevel + 1,
             )
         return metrics
+
+
+@final
+class Retention:
+    """Which committed steps a manager drops, the same way for every manager.
+
+    Best-N by ``metrics`` (:class:`BestN`) when a ``best_fn`` is given, else the newest
+    ``max_to_keep`` steps (``None``: all). A step's metrics are read once from disk, through the
+    manager's ``read_metrics`` (every process reads the same files: the same decision
+    everywhere). Steps in ``keep`` are never dropped: the preemption save (the job resumes from
+    it, even with ``keep_latest=0``) and the steps a drain still reads.
+
+    Args:
+      best: the best-N rule, or None.
+      max_to_keep: without ``best``, how many of the newest steps to keep (None: all).
+
+    Example:
+      >>> r = Retention(None, max_to_keep=2)
+      >>> r.drop([1, 2, 3, 4], read_metrics=lambda step: None, keep={1})
+      [2]
+    """
+
+    def __init__(self, best: BestN | None, max_to_keep: int | None):
+        self.best = best
+        self._max_to_keep = max_to_keep
+        self._metrics: dict[int, Metrics | None] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is ever dropped."""
+        return self.best is not None or self._max_to_keep is not None
+
+    def drop(
+        self,
+        steps: list[int],
+        read_metrics: Callable[[int], Metrics | None],
+        *,
+        keep: set[int] | frozenset[int] = frozenset(),
+    ) -> list[int]:
+        """The steps of ``steps`` (committed, oldest first) to delete now, oldest first."""
+        if self.best is None:
+            if self._max_to_keep is None:
+                return []
+            doomed = steps[: max(len(steps) - self._max_to_keep, 0)]
+        else:
+            for step in steps:
+                if step not in self._metrics:
+                    self._metrics[step] = read_metrics(step)
+            doomed = self.best.to_delete({s: self._metrics[s] for s in steps})
+        doomed = [s for s in doomed if s not in keep]
+        for step in doomed:
+            self._metrics.pop(step, None)
+        return doomed

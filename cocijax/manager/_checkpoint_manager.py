@@ -53,9 +53,9 @@ from cocijax.core._contract import (
 from cocijax.core._driver import manager_driver, stage_loss, tree_nbytes
 from cocijax.core._history import RunHistory, failed_exit, process_age_s
 from cocijax.core._lock import DirectoryLock
-from cocijax.core._preemption import PreemptionWatcher, check_signals
-from cocijax.core._retention import BestN, MetricsCheck
-from cocijax.core._session import run_all
+from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
+from cocijax.core._retention import BestN, MetricsCheck, Retention
+from cocijax.core._session import restore_order, run_all
 from cocijax.manager._directory import (
     METRICS_ITEM,
     POLICY_ITEM,
@@ -269,23 +269,22 @@ class CheckpointManager:
             raise TypeError(f"orbax_retention: expected a bool, got {orbax_retention!r}.")
         # How many steps to keep, counting those Orbax wrote (None: Orbax's steps are kept).
         self._orbax_retention = options.max_to_keep if orbax_retention else None
-        self._best = None
+        self._best = None  # best-N; max_to_keep alone is Orbax's
         if best is not None:
-            self._best = BestN(
+            rule = BestN(
                 best[0],
                 best_mode=best[1],
                 max_to_keep=options.max_to_keep,
                 keep_latest=keep_latest,
                 keep_period=options.keep_period,
             )
+            self._best = Retention(rule, max_to_keep=None)
         options = orbax_options
         signals = check_signals(preemption_signals)
         if not isinstance(exit_on_preemption, bool):
             raise TypeError(f"exit_on_preemption: expected a bool, got {exit_on_preemption!r}.")
-        self._metrics: dict[int, Any] = {}  # committed steps' metrics, read once (best_fn)
-        self._check_metrics = MetricsCheck(self._best)  # a step without metrics: said once
-        self._reached_preemption = False
-        self._preempted_step: int | None = None
+        # A step saved without metrics is said once per manager.
+        self._check_metrics = MetricsCheck(self._best and self._best.best)
         self._read_only = options.read_only
         self._async = options.enable_async_checkpointing
         self._name_format = options.step_name_format
@@ -391,12 +390,9 @@ class CheckpointManager:
             raise
         self._pending_loss: Any = None
         self._restored_step: int | None = None
-        self._preemption = _watcher(
-            () if self._read_only else signals, self._directory, exit_on_preemption
-        )
-        self._preemption.install(on_end=self.close)
-        # Processes that exchange flags or ask JAX's service must call `due` at every step.
-        self._poll_preemption = self._preemption.polled
+        watcher = _watcher(() if self._read_only else signals, self._directory, exit_on_preemption)
+        watcher.install(on_end=self.close)
+        self._preemption = Preemption(watcher, owner=str(self._directory))
 
     def _release(self) -> None:
         """Removes the running marker (a clean end), then releases the lock, whatever fails.
@@ -457,7 +453,7 @@ class CheckpointManager:
     @property
     def reached_preemption(self) -> bool:
         """A preemption signal arrived and its step has been saved and committed: stop now."""
-        return self._reached_preemption
+        return self._preemption.reached
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The ``metrics`` saved with ``step`` (``None`` if it was saved without), as Orbax's."""
@@ -561,20 +557,13 @@ class CheckpointManager:
         previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
         self._pending_loss = loss
         saved = self._driver.decide(step, loss=previous_loss) or force
-        # One attribute test per step, unless the processes must poll together at every step.
-        preempted = (self._poll_preemption or self._preemption.signal is not None) and (
-            self._preemption.due(step, self._driver.step_time_s)
-        )
+        preempted = self._preemption.due(step, self._driver.step_time_s)
         if saved or preempted:
             self._save(step, state, loss, extra, metrics, custom_metadata)
             if self._durable is not None:
                 self._durable.offer(step, force=preempted)  # drained once committed
         if preempted:
-            self._preempted_step = step  # what the job resumes from: retention keeps it
-            self.wait_until_finished()
-            self._reached_preemption = True
-            log.info("%s: preemption signal: step %d saved and committed", self._directory, step)
-            self._preemption.end_job()  # by default the process ends here, as it would have
+            self._preemption.taken(step, self.wait_until_finished)
         return saved or preempted
 
     def _save(
@@ -642,18 +631,11 @@ class CheckpointManager:
                 log.info("%s: deleting step %d, written by Orbax", self._directory, step)
                 self._drop_orbax_step(step)
         if self._best is None or self._read_only:
-            return
-        steps = self._local_steps()
-        pinned = self._durable.pinned() if self._durable is not None else set()
-        for step in steps:
-            if step not in self._metrics:
-                self._metrics[step] = self.orbax.metrics(step)  # from disk: one truth for all
-        for step in self._best.to_delete({s: self._metrics[s] for s in steps}):
-            if step == self._preempted_step or step in pinned:
-                continue  # the job resumes from it even with keep_latest=0; the drain reads it
+            return  # max_to_keep alone is Orbax's (with the drain's steps pinned)
+        keep = {self._preemption.step} | (self._durable.pinned() if self._durable else set())
+        for step in self._best.drop(self._local_steps(), self.orbax.metrics, keep=keep):
             self.orbax.delete(step)
             self._committed.discard(step)
-            del self._metrics[step]
 
     @property
     def _paths(self) -> tuple[Path, ...]:
@@ -850,7 +832,6 @@ class CheckpointManager:
             if step_dir.exists():
                 quarantine(step_dir, "damaged, skipped by restore(fallback=True)")
             self._committed.discard(step)
-            self._metrics.pop(step, None)
         self.orbax.reload()
         self._latest_saved = self.latest_step()
 
@@ -867,21 +848,9 @@ class CheckpointManager:
         durable = self._durable.steps() if self._durable is not None and tier != "local" else []
         if self._durable is not None and tier != "local" and step not in (None, *local, *durable):
             durable = self._durable.refreshed_steps()  # drained since the last listing?
-        steps = sorted(set(local) | set(orbax) | set(durable))
         where = f"{self._directory}" + (f" or {self._durable.url}" if durable else "")
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"restore: no committed step in {where}.")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"restore: step {step} is not a committed step in {where} (committed: "
-                f"{steps}{f'; on the durable tier: {durable}' if durable else ''})."
-            )
-        order = [step] + ([s for s in reversed(steps) if s < step] if fallback else [])
-        tiers = (("local", local), ("orbax", orbax), ("durable", durable))
-        copies = [(s, t) for s in order for t, ts in tiers if s in ts]
-        return copies if fallback else copies[:1]
+        tiers = {"local": local, "orbax": orbax, "durable": durable}
+        return restore_order(step, tiers, fallback=fallback, where=where)
 
     def _restore_items(self, step: int, where: str, items: dict[str, Any]) -> Any:
         """Orbax's restore of ``items`` from the local or the durable copy of ``step``."""
@@ -1046,7 +1015,7 @@ class CheckpointManager:
             self._wait_for_removals,
             close_orbax,
             close_durable,
-            self._preemption.uninstall,
+            self._preemption.watcher.uninstall,
             self._release,
         )
 
@@ -1058,7 +1027,7 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if failed_exit(exc[1], preempted=self._reached_preemption) and self._history is not None:
+        if failed_exit(exc[1], preempted=self._preemption.reached) and self._history is not None:
             self._history.failed()  # the next run counts it (a peer rank died, a Ctrl-C)
         self.close()
 

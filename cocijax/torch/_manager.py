@@ -48,9 +48,9 @@ from cocijax.core._contract import (
 from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory, failed_exit, process_age_s
 from cocijax.core._lock import DirectoryLock
-from cocijax.core._preemption import PreemptionWatcher, check_signals
-from cocijax.core._retention import BestN, MetricsCheck
-from cocijax.core._session import run_all
+from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
+from cocijax.core._retention import BestN, MetricsCheck, Retention
+from cocijax.core._session import restore_order, run_all
 from cocijax.storage import DIGEST_KEY, check_digest, with_digest
 from cocijax.torch._directory import (
     METADATA_NAME,
@@ -229,12 +229,8 @@ class CheckpointManager:
             self._dir, clock=clock, writer=self._ranks.leader, opened_at_age_s=age
         )
         self._driver = make_driver(history=self._history, broadcast=self._ranks.broadcast)
-        self._max_to_keep = max_to_keep
-        self._best = best
+        self._retention = Retention(best, max_to_keep)
         self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
-        self._metrics: dict[int, dict[str, Any] | None] = {}  # rank 0: read once from disk
-        self._preempted_step: int | None = None
-        self._reached_preemption = False
         self._use_async = use_async
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "cocijax-torch-commit")
@@ -247,13 +243,14 @@ class CheckpointManager:
             self._load_policy_state(latest, self._steps[-1], history=True)
         # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
         # a signal to its ranks one after the other (rank 0's broadcast would miss the others).
-        self._preemption = PreemptionWatcher(
+        watcher = PreemptionWatcher(
             signals,
             owner=str(self._dir),
             allgather=self._ranks.allgather if self._ranks.world > 1 else None,
             exit_on_preemption=exit_on_preemption,
         )
-        self._preemption.install(on_end=self.close)
+        watcher.install(on_end=self.close)
+        self._preemption = Preemption(watcher, owner=str(self._dir))
 
     def _open_directory(self) -> tuple[list[int], str, dict | None]:
         """Rank 0: locks the directory, removes leftovers, lists the steps."""
@@ -292,7 +289,7 @@ class CheckpointManager:
     @property
     def reached_preemption(self) -> bool:
         """A preemption signal arrived and its step has been saved and committed: stop now."""
-        return self._reached_preemption
+        return self._preemption.reached
 
     def all_steps(self) -> list[int]:
         """Saved steps, oldest first, including one still being written."""
@@ -370,20 +367,12 @@ class CheckpointManager:
         if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
             self._driver.state_size(_nbytes(state))
         saved = self._driver.decide(step, loss=loss) or force
-        # One attribute test per step, unless the ranks gather their flags at agreed steps.
-        preempted = (self._preemption.polled or self._preemption.signal is not None) and (
-            self._preemption.due(step, self._driver.step_time_s)
-        )
+        preempted = self._preemption.due(step, self._driver.step_time_s)
         if not (saved or preempted):
             return False
-        if preempted:
-            self._preempted_step = step  # what the job resumes from: retention keeps it
         self._save(step, state, loss, extra, metrics)
         if preempted:
-            self.wait_until_finished()
-            self._reached_preemption = True
-            log.info("%s: preemption signal: step %d saved and committed", self._dir, step)
-            self._preemption.end_job()  # by default the process ends here, as it would have
+            self._preemption.taken(step, self.wait_until_finished)
         return True
 
     def _save(
@@ -456,7 +445,7 @@ class CheckpointManager:
 
     def _retire(self) -> None:
         """Drops the steps that retention no longer keeps: rank 0 decides and deletes them."""
-        if self._best is None and self._max_to_keep is None:
+        if not self._retention.active:
             return  # everything is kept: no collective needed
         doomed = self._ranks.lead(self._doomed, group=self._ranks.writes)
         with self._lock:
@@ -466,22 +455,13 @@ class CheckpointManager:
                 remove(self._dir / str(s))
 
     def _doomed(self) -> list[int]:
-        """Rank 0: the committed steps retention drops (the oldest beyond ``max_to_keep``, or
-        those best-N does not keep, ranked by the metrics in their ``cocijax.json``)."""
-        steps = self.all_steps()
-        if self._best is None:
-            if self._max_to_keep is None:
-                return []
-            return steps[: max(len(steps) - self._max_to_keep, 0)]
-        for s in steps:
-            if s not in self._metrics:
-                self._metrics[s] = read_metadata(self._dir, s).get("metrics")
-        doomed = self._best.to_delete({s: self._metrics[s] for s in steps})
-        # Even with keep_latest=0 the preemption save stays: the job resumes from it.
-        doomed = [s for s in doomed if s != self._preempted_step]
-        for s in doomed:
-            del self._metrics[s]
-        return doomed
+        """Rank 0: the committed steps retention drops (ranked by the metrics in their
+        ``cocijax.json`` with best-N), never the preemption save."""
+        return self._retention.drop(
+            self.all_steps(),
+            lambda s: read_metadata(self._dir, s).get("metrics"),
+            keep={self._preemption.step},
+        )
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -528,13 +508,9 @@ class CheckpointManager:
                 "{'model': model, 'optimizer': optimizer}"
             )
         objects = check_extra(extra)
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no checkpoint to restore in {self._dir}")
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {self._dir}; have {steps}")
+        ((step, _),) = restore_order(
+            step, {"local": self.all_steps()}, fallback=False, where=str(self._dir)
+        )
         path = self._dir / str(step)
         control = self._ranks.control
         meta = self._ranks.lead(lambda: read_metadata(self._dir, step), group=control)
@@ -609,7 +585,7 @@ class CheckpointManager:
         run_all(
             self.wait_until_finished,
             lambda: self._executor.shutdown(wait=True),
-            self._preemption.uninstall,
+            self._preemption.watcher.uninstall,
             self._history.close,
             self._dir_lock.release,
             self._ranks.close,
@@ -627,7 +603,7 @@ class CheckpointManager:
             pass
 
     def __exit__(self, *exc: Any) -> None:
-        if failed_exit(exc[1], preempted=self._reached_preemption):
+        if failed_exit(exc[1], preempted=self._preemption.reached):
             self._history.failed()  # the next run counts it (a rank died, a Ctrl-C)
         self.close()
 

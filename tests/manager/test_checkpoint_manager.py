@@ -305,6 +305,7 @@ def test_orphan_stripes_of_a_crashed_save_are_removed_at_start(tmp_path):
     before = stripes(roots[0]) | stripes(roots[1])
     with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1)) as mngr:
         assert mngr.all_steps() == [1]
+        mngr.wait_until_finished()  # the opening's removals run in a thread of their own
         after = stripes(roots[0]) | stripes(roots[1])
         assert after == referenced(mngr)
         assert after < before  # the orphans existed and are gone

@@ -238,7 +238,7 @@ def test_optimizer_params_outside_state_modules_is_an_error(tmp_path):
 def test_restore_errors_name_the_step(tmp_path):
     model, _ = _make(0)
     with cjt.CheckpointManager(tmp_path, policy=cj.policies.fixed(1)) as mngr:
-        with pytest.raises(FileNotFoundError, match="no checkpoint to restore"):
+        with pytest.raises(FileNotFoundError, match="no committed step"):
             mngr.restore(target={"model": model})
         mngr.save(1, {"model": model}, loss=1.0)
         with pytest.raises(ValueError, match=r"cannot restore step 1 .*Missing key.*: ema\.$"):
