@@ -210,6 +210,8 @@ def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any]
     """The invariants a crash must not break; returns (findings, restored state or None)."""
     from cocijax import storage
 
+    # The opening found the garbage; its removal runs in a thread of its own: wait for it.
+    mngr.wait_until_finished()
     steps = list(mngr.all_steps())
     latest = mngr.latest_step()
     findings: dict[str, Any] = {"kind": "check", "steps": steps, "latest": latest, "problems": []}

@@ -115,6 +115,7 @@ def orphaned_stripes(mngr: Any) -> list[Path]:
     """
     from cocijax import storage
 
+    mngr.wait_until_finished()  # removals of garbage run in a thread of their own
     referenced = {
         p.resolve()
         for step in mngr.all_steps()
