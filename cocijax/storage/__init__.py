@@ -16,8 +16,8 @@ host buffers a :class:`BufferPool` keeps faulted in from one copy to the next.
 """
 
 from cocijax._files import fsync_dir, make_dirs
+from cocijax.storage._codec import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._copy import BufferPool, CopyStats, copy_item
-from cocijax.storage._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.storage._handler import StripedCheckpointHandler, StripedRestore, StripedSave
 from cocijax.storage._kvpath import (
     KvPath,
@@ -28,7 +28,9 @@ from cocijax.storage._kvpath import (
     is_url,
     probe_writable,
 )
-from cocijax.storage._manifest import (
+from cocijax.storage._manifest_io import read_manifest, write_manifest
+from cocijax.storage._read import verify
+from cocijax.storage._records import (
     MANIFEST_NAME,
     STRIPE_PREFIX,
     CheckpointFormatError,
@@ -37,16 +39,14 @@ from cocijax.storage._manifest import (
     Manifest,
     PieceRecord,
     Problem,
-    check_tree,
+)
+from cocijax.storage._stripes import (
     find_stripe_dirs,
-    read_manifest,
     referenced_stripe_dirs,
     remove_tree,
     unreferenced_stripe_dirs,
-    write_manifest,
 )
-from cocijax.storage._read import verify
-from cocijax.storage._tree import UnsupportedLeafError
+from cocijax.storage._tree import UnsupportedLeafError, check_tree
 
 __all__ = [
     "DIGEST_KEY",

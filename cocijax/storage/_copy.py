@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _io, _kvpath, _manifest, _read, _tree, _write
+from cocijax.storage import _io, _kvpath, _manifest_io, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._manifest import Location, Manifest, PieceRecord
+from cocijax.storage._records import CheckpointFormatError, Location, Manifest, PieceRecord
 
 
 @typing.final
@@ -156,7 +156,7 @@ def copy_item(
     start = time.perf_counter()
     source = _kvpath.location(source, source_options)
     target = KvPath.parse(dest, dest_options)
-    manifest = _manifest.read_manifest(source)
+    manifest = _manifest_io.read_manifest(source)
     context = _io.make_context(concurrency)
     host_buffers = BufferPool(memory_bytes) if buffers is None else buffers
     with (
@@ -243,7 +243,7 @@ def copy_item(
         _check_unique(manifest)
         copied = _io.run_sync(run())
     if commit:
-        _manifest.write_manifest(target, manifest.in_item_dir())
+        _manifest_io.write_manifest(target, manifest.in_item_dir())
     return CopyStats(
         bytes=sum(n for _, n, _ in copied),
         files=len(copied),
@@ -264,7 +264,7 @@ def _check_unique(manifest: Manifest) -> None:
     seen: dict[str, int] = {}
     for p in manifest.pieces:
         if seen.setdefault(p.file, p.root) != p.root:
-            raise _manifest.CheckpointFormatError(
+            raise CheckpointFormatError(
                 f"piece file {p.file} is on roots {seen[p.file]} and {p.root}: the item cannot "
                 "be copied into one directory."
             )

@@ -42,17 +42,19 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from cocijax import _files
 from cocijax.storage import (
+    _codec,
     _direct,
     _io,
     _kvpath,
     _layout,
-    _manifest,
+    _manifest_io,
+    _parts,
     _restore,
     _snapshot,
     _write,
 )
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._manifest import Manifest, PieceRecord
+from cocijax.storage._records import VERSION, Manifest, PieceRecord
 
 _MiB = 1 << 20
 
@@ -368,15 +370,10 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             # This process's part is the whole manifest: written as such, durably, it leaves
             # ``finalize`` nothing to merge (no part written, read back and parsed again).
             await loop.run_in_executor(
-                self._pool, _manifest.write_manifest_bytes, directory, encoded
+                self._pool, _manifest_io.write_manifest_bytes, directory, encoded
             )
             return
-        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
-        # durably before Orbax commits the item, and an item a crash cut before that is not
-        # committed.
-        _manifest.replace_bytes(
-            _manifest.part_path(directory, jax.process_index()), encoded, fsync=False
-        )
+        _parts.write_part(directory, jax.process_index(), encoded)
 
     async def _encoded_manifest(
         self, directory: pathlib.Path, snapshot: _snapshot.Snapshot, sums: list[asyncio.Future]
@@ -399,7 +396,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                     )
                 )
         part = Manifest(
-            version=_manifest.VERSION,
+            version=VERSION,
             checksum=_io.CHECKSUM if self._options.checksums else None,
             roots=tuple(None if r is None else str(r) for r in self._roots),
             leaves=tuple(snapshot.leaves),
@@ -407,9 +404,9 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             custom_metadata=snapshot.custom_metadata,
         )
         if jax.process_count() == 1:
-            encode = functools.partial(_manifest.encode_manifest, directory, part)
+            encode = functools.partial(_codec.encode_manifest, directory, part)
         else:  # a part: finalize checks that the parts cover every leaf when it merges them
-            encode = functools.partial(_manifest.encode_part, part)
+            encode = functools.partial(_codec.encode_part, part)
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
@@ -429,7 +426,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the parts disagree or do not cover every leaf.
         """
-        _manifest.merge_parts(pathlib.Path(directory))
+        _parts.merge_parts(pathlib.Path(directory))
 
     # ---------------------------------------------------------------------------- restoring
 

@@ -27,8 +27,8 @@ from orbax.checkpoint import metadata as ocp_metadata
 # and `build_default_tree_metadata` builds): the one private import left here.
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
-from cocijax.storage import _io, _layout, _manifest, _read, _tree
-from cocijax.storage._manifest import LeafRecord, Manifest, PieceRecord
+from cocijax.storage import _io, _layout, _manifest_io, _read, _tree
+from cocijax.storage._records import LeafRecord, Manifest, PieceRecord
 
 
 def restore_tree(
@@ -55,7 +55,7 @@ def restore_tree(
         ``partial`` is asked without a target.
       CorruptCheckpointError: a piece is missing or corrupt (names the leaf and the file).
     """
-    manifest = _manifest.read_manifest(directory).with_roots(roots)
+    manifest = _manifest_io.read_manifest(directory).with_roots(roots)
     if isinstance(target, tree_metadata.TreeMetadata):
         target = target.tree  # what ``metadata()`` returned: restore as saved
     places = _Placements()
@@ -598,7 +598,7 @@ def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
     of the values: ``ArrayMetadata`` (a key array's shape and key dtype for PRNG keys; the saved
     sharding as Orbax's sharding metadata), ``ScalarMetadata`` and ``StringMetadata``.
     """
-    manifest = _manifest.read_manifest(directory)
+    manifest = _manifest_io.read_manifest(directory)
     values = []
     for record in manifest.leaves:
         name = ".".join(str(k) for _, k in record.keys)

@@ -5,19 +5,17 @@ may still parse. Everything the restore and verify paths take from it is checked
 so that such a manifest is a :class:`CheckpointFormatError` naming the field, never an
 ``IndexError`` deep in a restore, an allocation of a made-up size, or a read outside the roots.
 What a check cannot see (a changed inline value or dtype that is still valid) is caught by the
-manifest's digest (``_digest``); manifests written before the digest lack it.
+manifest's digest (``_codec``); manifests written before the digest lack it.
 """
 
 from __future__ import annotations
 
 import math
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cocijax.storage import _tree
-
-if TYPE_CHECKING:
-    from cocijax.storage._manifest import LeafRecord, Manifest
+from cocijax.storage._records import LeafRecord, Manifest
 
 __all__ = ["check_coverage", "check_manifest"]
 

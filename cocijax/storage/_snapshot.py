@@ -27,8 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cocijax.storage import _io, _layout, _manifest, _tree
-from cocijax.storage._manifest import LeafRecord
+from cocijax.storage import _io, _layout, _tree
+from cocijax.storage._records import STRIPE_PREFIX, LeafRecord
 
 # Starts the direct writes of one piece: (stripe directory, piece, its host data) -> futures,
 # or None when the piece must go through TensorStore.
@@ -264,7 +264,7 @@ def take(
     for s, host in zip(sources, plan.on_host, strict=True):
         if not host:
             s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
-    stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
+    stripe = f"{STRIPE_PREFIX}{uuid.uuid4().hex}"
     snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, plan=plan)
     # Stripe directories on external roots can be made now, so a piece's chunk files can be
     # written as soon as its host copy is done (the item directory may not exist yet). Only

@@ -21,7 +21,7 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 import cocijax as cj
 from cocijax import _files, storage
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _manifest
+from cocijax.storage import _manifest_io
 
 
 def small_state(seed: int = 0):
@@ -96,13 +96,13 @@ def test_opening_and_restoring_parse_each_manifest_once(tmp_path, monkeypatch, r
         m.save(1, state, loss=1.0)
         m.save(2, state, loss=1.0)
     parsed = []
-    parse = _manifest._parse
+    parse = _manifest_io.decode_manifest
     monkeypatch.setattr(
-        _manifest,
-        "_parse",
+        _manifest_io,
+        "decode_manifest",
         lambda raw, source: parsed.append(Path(source).parts[-3]) or parse(raw, source),
     )
-    monkeypatch.setattr(_manifest, "_PARSED", {})  # as in a new process
+    monkeypatch.setattr(_manifest_io, "_PARSED", {})  # as in a new process
     options = ocp.CheckpointManagerOptions(read_only=read_only)
     with cj.CheckpointManager(tmp_path / "ck", options=options, policy=cj.policies.fixed(1)) as m:
         assert sorted(parsed) == ["1", "2"]  # each manifest once, however often it is read

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cocijax as cj
-from cocijax.storage import _manifest
+from cocijax.storage import _codec, _parts, _records
 
 STATE = {
     "big": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),  # 256 KiB: split pieces
@@ -121,12 +121,10 @@ def test_merge_parts_of_two_processes(saved):
         remapped = tuple(
             dataclasses.replace(p, root=roots.index(whole.roots[p.root])) for p in pieces
         )
-        part = _manifest.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
-        _manifest.replace_bytes(
-            _manifest.part_path(item, process), _manifest.encode_part(part), fsync=True
-        )
+        part = _records.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
+        _parts.write_part(item, process, _codec.encode_part(part))
     handler.finalize(item)
-    assert not list(item.glob(f"{_manifest.PART_PREFIX}*"))
+    assert not list(item.glob(f"{_parts.PART_PREFIX}*"))
     merged = cj.storage.read_manifest(item)
     key = lambda m: sorted((m.roots[p.root], p.file, p.start, p.offset) for p in m.pieces)
     assert key(merged) == key(whole)
@@ -140,10 +138,10 @@ def test_merge_refuses_incomplete_coverage(saved):
     handler, item = saved
     whole = cj.storage.read_manifest(item)
     (item / cj.storage.MANIFEST_NAME).unlink()
-    part = _manifest.Manifest(
+    part = _records.Manifest(
         whole.version, whole.checksum, whole.roots, whole.leaves, whole.pieces[1:]
     )
-    _manifest.replace_bytes(_manifest.part_path(item, 0), _manifest.encode_part(part), fsync=True)
+    _parts.write_part(item, 0, _codec.encode_part(part))
     with pytest.raises(cj.storage.CheckpointFormatError, match="cover"):
         handler.finalize(item)
 
@@ -159,7 +157,7 @@ def test_merge_without_part_or_manifest_raises(saved):
 def test_manifest_json_is_plain_and_versioned(saved):
     _, item = saved
     data = json.loads((item / cj.storage.MANIFEST_NAME).read_text())
-    assert data["format"] == _manifest.FORMAT and data["version"] == _manifest.VERSION
+    assert data["format"] == _records.FORMAT and data["version"] == _records.VERSION
     assert data["checksum"] == "xxh3_64"
     assert {leaf["path"] for leaf in data["leaves"]} == {
         "['big']", "['small']['a']", "['small']['b']"

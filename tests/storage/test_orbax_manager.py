@@ -20,7 +20,7 @@ from orbax.checkpoint._src.path import atomicity
 from storage_helpers import assert_tree_equal
 
 import cocijax as cj
-from cocijax.storage import _manifest
+from cocijax.storage import _manifest_io
 
 ASYNC = pytest.mark.parametrize("enable_async", [False, True], ids=["sync", "async"])
 
@@ -138,7 +138,7 @@ def test_a_failing_background_write_surfaces_at_wait_and_the_next_save_commits(
             def broken(path):
                 raise OSError(f"injected failure syncing {path}")
 
-            m.setattr(_manifest, "fsync_dir", broken)
+            m.setattr(_manifest_io, "fsync_dir", broken)
             assert _save(mngr, 0)  # returns: the failure happens in the background
             with pytest.raises(OSError, match="injected failure"):
                 mngr.wait_until_finished()
