@@ -41,7 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cocijax import storage
-from cocijax._files import move_aside
+from cocijax._files import make_dirs, move_aside
 from cocijax.manager._contract import (
     MEASUREMENTS,
     POLICY_STATE,
@@ -81,6 +81,7 @@ from cocijax.manager._preemption import PreemptionWatcher, check_signals
 from cocijax.manager._retention import BestN, MetricsCheck
 from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
 from cocijax.manager._tiers import open_durable
+from cocijax.storage._tree import check_tree
 
 __all__ = ["CheckpointManager"]
 
@@ -302,7 +303,7 @@ class CheckpointManager:
             options = pin_steps(options, self._durable.pinned)
 
         if not self._read_only:
-            storage.make_dirs(self._directory)  # durably: a power loss must not lose it
+            make_dirs(self._directory)  # durably: a power loss must not lose it
         elif not self._directory.is_dir():
             raise FileNotFoundError(f"directory: {self._directory} does not exist.")
         if not self._read_only and self._primary:
@@ -581,7 +582,7 @@ class CheckpointManager:
         # Reject unsupported leaves and bad items before Orbax starts its background threads:
         # an error raised inside the handler's async_save leaves Orbax threads waiting up to
         # 300 s for signals that never come, which also blocks interpreter exit.
-        storage.check_tree(state)
+        check_tree(state)
         items = check_extra(extra, restoring=False)
         # Warns with the user's `save` call as its place (save -> _save -> here).
         metrics = self._check_metrics(metrics, step=step, stacklevel=3)

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from cocijax.storage import fsync_dir
+from cocijax._files import fsync_dir
 
 __all__ = [
     "FORMAT",

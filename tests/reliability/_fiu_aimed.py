@@ -29,6 +29,7 @@ from _fiu_worker import Fiu, exit_after, open_manager, state
 import cocijax as cj
 from cocijax import storage
 from cocijax.storage import _parts
+from cocijax.storage._records import MANIFEST_NAME
 
 
 def gc_open_enoent(base: Path, fiu: Fiu) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def merge_opendir_eacces(base: Path, fiu: Fiu) -> dict[str, Any]:
     with ocp.Checkpointer(cj.StripedCheckpointHandler(roots=[base / "root"])) as ckptr:
         ckptr.save(item, args=cj.StripedSave(state(1)))
     # The state of an item between the commit future and finalize: one part, no manifest.
-    (item / storage.MANIFEST_NAME).rename(_parts.part_path(item, 0))
+    (item / MANIFEST_NAME).rename(_parts.part_path(item, 0))
     out: dict[str, Any] = {}
     fiu.fail("posix/io/dir/opendir", errno.EACCES)
     try:
@@ -64,7 +65,7 @@ def merge_opendir_eacces(base: Path, fiu: Fiu) -> dict[str, Any]:
         out["merge"] = f"{type(e).__name__}: {e}"
     finally:
         fiu.disable(("posix/io/dir/opendir",))
-    out["manifest_after_fault"] = (item / storage.MANIFEST_NAME).exists()
+    out["manifest_after_fault"] = (item / MANIFEST_NAME).exists()
     _parts.merge_parts(item)  # faults off: the merge the failed finalize did not do
     out["verifies_after_merge"] = storage.verify(item) == []
     shutil.rmtree(item)

@@ -11,6 +11,7 @@ import pytest
 from orbax.checkpoint._src.futures import future, synchronization
 
 import cocijax as cj
+from cocijax.storage._stripes import find_stripe_dirs
 
 CREATED = synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION
 
@@ -45,7 +46,7 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
         futures[0].result(timeout=60)
     finally:
         future.AwaitableSignalsContract.remove_all_awaitable_signals(op)
-    assert any(cj.storage.find_stripe_dirs(r) for r in roots)
+    assert any(find_stripe_dirs(r) for r in roots)
     handler.finalize(item)
     got = handler.restore(item, cj.StripedRestore())
     np.testing.assert_array_equal(got["host"], np.arange(4096, dtype=np.float32))

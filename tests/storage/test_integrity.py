@@ -11,6 +11,7 @@ import pytest
 
 import cocijax as cj
 from cocijax.storage import _codec, _parts, _records
+from cocijax.storage._records import MANIFEST_NAME
 
 STATE = {
     "big": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),  # 256 KiB: split pieces
@@ -95,7 +96,7 @@ def test_missing_or_truncated_piece(saved, damage):
 )
 def test_bad_manifest_raises_format_error(saved, content, match):
     handler, item = saved
-    path = item / cj.storage.MANIFEST_NAME
+    path = item / MANIFEST_NAME
     if content is None:
         path.unlink()
     else:
@@ -113,7 +114,7 @@ def test_merge_parts_of_two_processes(saved):
     """Split one committed manifest into two per-process parts; the merge must rebuild it."""
     handler, item = saved
     whole = cj.storage.read_manifest(item)
-    (item / cj.storage.MANIFEST_NAME).unlink()
+    (item / MANIFEST_NAME).unlink()
     halves = [whole.pieces[0::2], whole.pieces[1::2]]
     for process, pieces in enumerate(halves):
         # Process 1 lists the roots in the other order: the merge remaps by path.
@@ -137,7 +138,7 @@ def test_merge_parts_of_two_processes(saved):
 def test_merge_refuses_incomplete_coverage(saved):
     handler, item = saved
     whole = cj.storage.read_manifest(item)
-    (item / cj.storage.MANIFEST_NAME).unlink()
+    (item / MANIFEST_NAME).unlink()
     part = _records.Manifest(
         whole.version, whole.checksum, whole.roots, whole.leaves, whole.pieces[1:]
     )
@@ -149,14 +150,14 @@ def test_merge_refuses_incomplete_coverage(saved):
 def test_merge_without_part_or_manifest_raises(saved):
     """No part and no manifest: no process wrote one, so finalize must fail, not commit."""
     handler, item = saved
-    (item / cj.storage.MANIFEST_NAME).unlink()
+    (item / MANIFEST_NAME).unlink()
     with pytest.raises(cj.storage.CheckpointFormatError, match="no manifest part"):
         handler.finalize(item)
 
 
 def test_manifest_json_is_plain_and_versioned(saved):
     _, item = saved
-    data = json.loads((item / cj.storage.MANIFEST_NAME).read_text())
+    data = json.loads((item / MANIFEST_NAME).read_text())
     assert data["format"] == _records.FORMAT and data["version"] == _records.VERSION
     assert data["checksum"] == "xxh3_64"
     assert {leaf["path"] for leaf in data["leaves"]} == {
