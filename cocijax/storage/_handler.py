@@ -36,11 +36,8 @@ from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
 
-# Orbax 0.12 has no public name for the tree metadata a handler's `metadata()` must return
-# (what `CheckpointManager.item_metadata` expects): the one private import left here.
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-
 from cocijax import _files
+from cocijax._orbax_compat import TreeMetadata
 from cocijax.storage import (
     _codec,
     _direct,
@@ -470,7 +467,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 root_options=self._options.root_options,
             )
 
-    def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
+    def metadata(self, directory: epath.Path) -> TreeMetadata:
         """The saved tree as Orbax's tree metadata, read from the manifest without data.
 
         What ``ocp.StandardCheckpointHandler.metadata`` returns, so that

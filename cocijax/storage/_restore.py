@@ -23,10 +23,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint import metadata as ocp_metadata
 
-# Orbax 0.12 has no public name for its tree metadata (what restoring from `metadata()` gives
-# and `build_default_tree_metadata` builds): the one private import left here.
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-
+from cocijax._orbax_compat import TreeMetadata, build_tree_metadata
 from cocijax.storage import _io, _layout, _manifest_io, _read, _tree
 from cocijax.storage._records import LeafRecord, Manifest, PieceRecord
 
@@ -56,7 +53,7 @@ def restore_tree(
       CorruptCheckpointError: a piece is missing or corrupt (names the leaf and the file).
     """
     manifest = _manifest_io.read_manifest(directory).with_roots(roots)
-    if isinstance(target, tree_metadata.TreeMetadata):
+    if isinstance(target, TreeMetadata):
         target = target.tree  # what ``metadata()`` returned: restore as saved
     places = _Placements()
     if partial and target is None:
@@ -591,7 +588,7 @@ def _key_data_sharding(
     return None
 
 
-def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
+def tree_metadata_of(directory: pathlib.Path) -> TreeMetadata:
     """The saved tree as Orbax's ``TreeMetadata`` (see ``StripedCheckpointHandler.metadata``).
 
     Its tree is the one a restore without a target returns, with Orbax's value metadata in place
@@ -620,7 +617,7 @@ def tree_metadata_of(directory: pathlib.Path) -> tree_metadata.TreeMetadata:
                 )
             )
     tree = _tree.rebuild([leaf.keys for leaf in manifest.leaves], values)
-    return tree_metadata.build_default_tree_metadata(tree, custom_metadata=manifest.custom_metadata)
+    return build_tree_metadata(tree, custom_metadata=manifest.custom_metadata)
 
 
 def sharding_metadata(saved: dict[str, Any]) -> ocp_metadata.ShardingMetadata:

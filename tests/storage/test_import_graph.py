@@ -1,7 +1,9 @@
-"""cocijax.storage's modules import each other without a cycle (type-only imports included).
+"""How cocijax.storage's modules import: no cycle, and Orbax's private modules only via compat.
 
 A cycle makes a module's names depend on the order the package happens to be imported in, and
-marks two modules that hold one concept between them. Read from the sources (no import).
+marks two modules that hold one concept between them. Orbax's private modules
+(``orbax.checkpoint._src``) change without notice: ``cocijax/_orbax_compat.py`` is the one
+module that imports them. Read from the sources (no import).
 """
 
 import ast
@@ -10,6 +12,7 @@ import pathlib
 import cocijax.storage
 
 PACKAGE = "cocijax.storage"
+ORBAX_PRIVATE = "orbax.checkpoint._src"
 
 
 def storage_imports() -> dict[str, set[str]]:
@@ -64,3 +67,22 @@ def test_storage_modules_import_each_other_without_a_cycle():
     graph = storage_imports()
     assert graph["_handler"]  # the graph was read: the handler imports the write path
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def orbax_private_imports(folder: pathlib.Path) -> list[str]:
+    """``file: module`` for every import of Orbax's private modules in ``folder``'s sources."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            found += [f"{path.relative_to(folder)}: {m}" for m in modules if ORBAX_PRIVATE in m]
+    return found
+
+
+def test_only_the_compat_module_imports_orbax_private_modules():
+    folder = pathlib.Path(cocijax.storage.__file__).parent.parent
+    assert orbax_private_imports(folder) == ["_orbax_compat.py: orbax.checkpoint._src.metadata"]
