@@ -58,7 +58,8 @@ def test_pieces_start_writing_inside_save_only_with_write_while_copying(tmp_path
     handler = cj.StripedCheckpointHandler(
         roots, small_bytes=1024, chunk_bytes=4096, write_while_copying=overlap
     )
-    snapshot = handler._snapshot({"host": np.arange(4096, dtype=np.float32)})
+    tree = {"host": np.arange(4096, dtype=np.float32)}
+    snapshot = handler._snapshot(tree, handler._writer())
     for started in snapshot.early.values():
         concurrent.futures.wait(started)
     written = [f for r in roots for f in r.rglob("*") if f.is_file()]
