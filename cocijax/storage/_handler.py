@@ -33,7 +33,7 @@ from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
 
 from cocijax._orbax_compat import TreeMetadata
-from cocijax.storage import _commit, _io, _options, _parts, _restore, _snapshot, _write
+from cocijax.storage import _commit, _io, _metadata, _options, _parts, _restore, _snapshot, _write
 from cocijax.storage._kvpath import KvPath
 
 _MiB = 1 << 20
@@ -325,7 +325,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the manifest is missing or invalid.
         """
-        return _restore.tree_metadata_of(pathlib.Path(directory))
+        return _metadata.tree_metadata_of(pathlib.Path(directory))
 
     def close(self) -> None:
         """Stops the handler's threads and frees its kept host buffers (both come back if the
