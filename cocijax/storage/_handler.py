@@ -150,7 +150,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             ).primary_host,
         )
         self._buffers = _io.HostBuffers()
-        self._last_plan: _snapshot.Plan | None = None  # of the last save (see _snapshot.Plan)
+        self._last_layout: _snapshot.SaveLayout | None = None  # of the last save
         self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
         self._context = _io.make_context(concurrency)
         self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -253,9 +253,9 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 pool=self._pool,
                 start_raw=writer.start_raw if self._options.write_while_copying else None,
                 buffers=self._buffers,
-                last=self._last_plan,
+                last=self._last_layout,
             )
-        self._last_plan = snapshot.plan
+        self._last_layout = snapshot.layout
         return snapshot
 
     def finalize(self, directory: epath.Path) -> None:

@@ -330,12 +330,12 @@ def test_a_save_of_the_same_structure_reuses_its_plan_with_this_saves_values(tmp
     handler = cj.StripedCheckpointHandler(roots)
     with ocp.AsyncCheckpointer(handler) as ckptr:
         ckptr.save(tmp_path / "1", args=cj.StripedSave(tree(1)))
-        plan = handler._last_plan
+        plan = handler._last_layout
         ckptr.save(tmp_path / "2", args=cj.StripedSave(tree(2)))
-        assert handler._last_plan is plan  # same structure: described and planned once
+        assert handler._last_layout is plan  # same structure: described and planned once
         # Same shapes, another sharding: a new plan, and the manifest records the new one.
         ckptr.save(tmp_path / "3", args=cj.StripedSave(tree(3, cols)))
-        assert handler._last_plan is not plan
+        assert handler._last_layout is not plan
         ckptr.wait_until_finished()
         for step, spec in ((1, rows), (2, rows), (3, cols)):
             got = ckptr.restore(tmp_path / str(step), args=cj.StripedRestore())
