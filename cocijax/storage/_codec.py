@@ -176,7 +176,7 @@ def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
         )
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
         raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
-    _schema.check_manifest(manifest, source, CheckpointFormatError)
+    _schema.check_manifest(manifest, source)
     if not check_digest(data):
         raise CheckpointFormatError(
             f"{source} does not match its digest: it was changed after it was written."
@@ -210,7 +210,7 @@ def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> byte
     Raises:
       CheckpointFormatError: some leaf is not fully covered by the pieces.
     """
-    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    _schema.check_coverage(manifest, item_dir)
     return _json_bytes(_to_json(manifest))
 
 

@@ -88,7 +88,7 @@ def read_manifest(item_dir: Location, *, root_options: Mapping[str, Any] | None 
     """
     item_dir = _kvpath.location(item_dir, root_options)
     manifest = read_manifest_file(item_dir / MANIFEST_NAME)
-    _schema.check_coverage(manifest, item_dir, CheckpointFormatError)
+    _schema.check_coverage(manifest, item_dir)
     return manifest
 
 
