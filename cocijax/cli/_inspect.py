@@ -86,12 +86,12 @@ def _item(step: StepDir) -> Path:
 def _step_size(step: StepDir) -> int:
     """Bytes of a step, with its stripes on external local roots (each directory counted once;
     stripes on an object store are not listed here)."""
-    from cocijax import storage
+    from cocijax.storage._stripes import referenced_stripe_dirs
 
     size = _tree_size(step.path)
     if step.kind == "jax":
         try:
-            extra = storage.referenced_stripe_dirs(_item(step))
+            extra = referenced_stripe_dirs(_item(step))
         except (ValueError, OSError):
             extra = []
         # Stripes inside the step itself (roots=()) are not listed: _tree_size counted them.
@@ -100,11 +100,9 @@ def _step_size(step: StepDir) -> int:
 
 
 def _step_time(step: StepDir) -> float:
-    from cocijax import storage
+    from cocijax.storage._records import MANIFEST_NAME
 
-    marker = (
-        _item(step) / storage.MANIFEST_NAME if step.kind == "jax" else step.path / TORCH_METADATA
-    )
+    marker = _item(step) / MANIFEST_NAME if step.kind == "jax" else step.path / TORCH_METADATA
     return (marker if marker.exists() else step.path).stat().st_mtime
 
 
@@ -131,6 +129,7 @@ def _durable_root(args: argparse.Namespace):
     """
     from cocijax import storage
     from cocijax.manager._tier_layout import STEP_FILES
+    from cocijax.storage._kvpath import is_url
 
     try:
         root = storage.KvPath.parse(args.directory, _root_options(args))
@@ -138,7 +137,7 @@ def _durable_root(args: argparse.Namespace):
         raise CliError(str(e)) from None
     if not root.is_local:
         return root.with_timeout(_STORE_TIMEOUT_S)
-    if storage.is_url(args.directory):
+    if is_url(args.directory):
         args.directory = root.key
     directory = Path(root.key)
     steps = [d for d in directory.iterdir() if d.name.isdigit()] if directory.is_dir() else []
@@ -319,13 +318,13 @@ def _verify_durable(args: argparse.Namespace, root) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    from cocijax import storage
+    from cocijax.storage._records import MANIFEST_NAME
 
     if (root := _durable_root(args)) is not None:
         return _verify_durable(args, root)
     directory = Path(args.directory)
     options = _root_options(args)
-    if directory.is_dir() and (directory / storage.MANIFEST_NAME).is_file():
+    if directory.is_dir() and (directory / MANIFEST_NAME).is_file():
         steps = [StepDir(-1, directory, "item")]  # DIR/<step>/state given directly
     else:
         steps = find_steps(directory)

@@ -41,7 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cocijax import storage
-from cocijax._files import move_aside
+from cocijax._files import make_dirs, move_aside
 from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
@@ -82,6 +82,7 @@ from cocijax.manager._orbax_steps import OrbaxStep, restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
 from cocijax.manager._tiers import open_durable
+from cocijax.storage._tree import check_tree
 
 __all__ = ["CheckpointManager"]
 
@@ -308,7 +309,7 @@ class CheckpointManager:
             options = pin_steps(options, self._durable.pinned)
 
         if not self._read_only:
-            storage.make_dirs(self._directory)  # durably: a power loss must not lose it
+            make_dirs(self._directory)  # durably: a power loss must not lose it
         elif not self._directory.is_dir():
             raise FileNotFoundError(f"directory: {self._directory} does not exist.")
         if not self._read_only and self._primary:
@@ -580,7 +581,7 @@ class CheckpointManager:
         # Reject unsupported leaves and bad items before Orbax starts its background threads:
         # an error raised inside the handler's async_save leaves Orbax threads waiting up to
         # 300 s for signals that never come, which also blocks interpreter exit.
-        storage.check_tree(state)
+        check_tree(state)
         items = check_extra(extra, restoring=False)
         # Warns with the user's `save` call as its place (save -> _save -> here).
         metrics = self._check_metrics(metrics, step=step, stacklevel=3)

@@ -25,6 +25,8 @@ import xxhash
 
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM, STEP_RE
+from cocijax.storage._kvpath import is_transient, probe_writable
+from cocijax.storage._records import MANIFEST_NAME
 
 __all__ = [
     "STEP_FILES",
@@ -40,7 +42,7 @@ __all__ = [
 STEP_FILES = "cocijax_step.json"
 """The durable step's record of its files other than the pieces (path, size, xxh3_64)."""
 _STEP_FORMAT = "cocijax-durable-step"
-COMMIT_KEY = f"{STATE_ITEM}/{storage.MANIFEST_NAME}"
+COMMIT_KEY = f"{STATE_ITEM}/{MANIFEST_NAME}"
 """The key, below a step's prefix, whose object commits the step."""
 
 
@@ -150,13 +152,13 @@ def scan_within(root: storage.KvPath, timeout_s: float | None, *, writable: bool
         try:
             committed = scan(root.for_probe().with_timeout(left))[0]
             if writable:
-                storage.probe_writable(root, left)
+                probe_writable(root, left)
             return committed
         except (ValueError, OSError) as e:
             if cause is None or not isinstance(e, TimeoutError):
                 cause = e
             left = None if deadline is None else deadline - time.monotonic()
-            if not storage.is_transient(e) or (left is not None and left <= delay):
+            if not is_transient(e) or (left is not None and left <= delay):
                 if cause is e:
                     raise
                 raise cause from e

@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax.manager._tier_lease import owner_id
+from cocijax.storage._kvpath import is_url
 
 __all__ = [
     "DurableOptions",
@@ -181,7 +182,7 @@ def manager_root(
     root: str | os.PathLike, options: Mapping[str, Any] | None
 ) -> Path | storage.KvPath:
     """A manager's root: an absolute local path, or an object-store prefix (``s3://...``)."""
-    if storage.is_url(root):
+    if is_url(root):
         where = storage.KvPath.parse(root, options)
         return Path(where.key) if where.is_local else where
     return Path(root).absolute()

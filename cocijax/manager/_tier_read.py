@@ -16,6 +16,7 @@ from cocijax import storage
 from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
 from cocijax.manager._tier_layout import COMMIT_KEY, step_files
+from cocijax.storage._records import MANIFEST_NAME
 
 __all__ = ["restore_step", "stage"]
 
@@ -86,5 +87,5 @@ def stage(root: storage.KvPath, step: int, into: Path) -> tuple[Path, storage.Kv
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     (local / STATE_ITEM).mkdir(parents=True, exist_ok=True)
-    (local / STATE_ITEM / storage.MANIFEST_NAME).write_bytes(manifest)
+    (local / STATE_ITEM / MANIFEST_NAME).write_bytes(manifest)
     return local, prefix / STATE_ITEM

@@ -56,13 +56,16 @@ from cocijax.manager._tier_layout import (
 from cocijax.manager._tier_lease import Lease, LeaseError
 from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
 from cocijax.manager._tier_read import restore_step
+from cocijax.storage._kvpath import describe_error, is_missing_bucket, is_transient
+from cocijax.storage._manifest_io import write_manifest
+from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
 
 __all__ = ["DurableOptions", "DurableTier", "DurableTierError", "open_durable"]
 
 log = logging.getLogger(__name__)
 
 # Local files that are the state item's own commit record or data: copied by copy_item.
-_STATE_OWN = (storage.MANIFEST_NAME, "cocijax_manifest.part-")
+_STATE_OWN = (MANIFEST_NAME, "cocijax_manifest.part-")
 # How often the drain thread looks for the local commit of the step it waits for (one stat).
 _POLL_S = 0.005
 
@@ -142,7 +145,7 @@ class DurableTier:
             raise DurableTierError(
                 f"durable={self.url!r}: the durable tier cannot be "
                 f"{'listed or written' if self.options.writer else 'listed'} "
-                f"({storage.describe_error(e)}). Its steps may be newer than the local ones in "
+                f"({describe_error(e)}). Its steps may be newer than the local ones in "
                 f"{self.options.local} (newest local step: {local_newest}), so the manager does "
                 "not open on the local steps alone. Fix the endpoint, bucket or credentials "
                 "(durable_options) and open again"
@@ -161,7 +164,7 @@ class DurableTier:
         try:
             committed = scan(self.root)[0]
         except (ValueError, OSError) as e:
-            if not storage.is_missing_bucket(e):
+            if not is_missing_bucket(e):
                 raise
             log.error("%s: the bucket is gone: the durable tier holds no step now", self.url)
             committed = []
@@ -272,7 +275,7 @@ class DurableTier:
 
     def _wait_for_local_commit(self, step: int) -> bool:
         """Waits until Orbax renamed the step into place (its manifest is then there)."""
-        manifest = self._local_step(step) / STATE_ITEM / storage.MANIFEST_NAME
+        manifest = self._local_step(step) / STATE_ITEM / MANIFEST_NAME
         while not manifest.exists():
             with self._cond:
                 if self._local_settled and not manifest.exists():
@@ -306,7 +309,7 @@ class DurableTier:
             except Exception as e:
                 self._clean_failed(step)
                 last = attempt == self.options.attempts or self._abandoned
-                if last or not storage.is_transient(e) or isinstance(e, LeaseError):
+                if last or not is_transient(e) or isinstance(e, LeaseError):
                     raise
                 log.warning(
                     "%s: drain of step %d failed (attempt %d of %d: %s); trying again in %g s",
@@ -314,7 +317,7 @@ class DurableTier:
                     step,
                     attempt,
                     self.options.attempts,
-                    storage.describe_error(e),
+                    describe_error(e),
                     delay,
                 )
             time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
@@ -343,7 +346,7 @@ class DurableTier:
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source)
             if rel.parts[0] == STATE_ITEM and (
-                rel.parts[1].startswith(storage.STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
+                rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
             ):
                 continue  # the state's pieces and manifest: copy_item's, manifest last
             others[rel.as_posix()] = path.read_bytes()
@@ -366,7 +369,7 @@ class DurableTier:
             raise DurableTierError("abandoned by close(): not committed")
         self._lease.check(margin_s=self.options.lease_duration_s / 2)
         (dest / STEP_FILES).write_bytes(make_record(step, others, self.options.owner))
-        storage.write_manifest(dest / STATE_ITEM, manifest)
+        write_manifest(dest / STATE_ITEM, manifest)
         elapsed = self.options.clock() - start
         with self._cond:
             self._steps.add(step)

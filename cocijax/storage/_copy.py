@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _io, _kvpath, _manifest, _read, _tree, _write
+from cocijax.storage import _io, _kvpath, _manifest_io, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._manifest import Location, Manifest, PieceRecord
+from cocijax.storage._records import CheckpointFormatError, Location, Manifest, PieceRecord
 
 
 @typing.final
@@ -154,7 +154,7 @@ def copy_item(
     start = time.perf_counter()
     source = _kvpath.location(source, source_options)
     target = KvPath.parse(dest, dest_options)
-    manifest = _manifest.read_manifest(source)
+    manifest = _manifest_io.read_manifest(source)
     context = _io.make_context(concurrency)
     host_buffers = BufferPool(memory_bytes) if buffers is None else buffers
     with (
@@ -170,83 +170,118 @@ def copy_item(
             io_pool=io_pool,
             root_options=source_options,
         )
-        files = reader.files()
-        largest = max((_file_bytes(manifest, ps) for ps in files.values()), default=1)
-        limit = asyncio.Semaphore(max(1, memory_bytes // max(largest, 1)))
-
-        async def copy(pieces: list[PieceRecord]) -> tuple[str, int, int]:
-            async with limit:
-                first = pieces[0]
-                array = await reader.array(first)
-                buffer = None
-                try:
-                    if len(pieces) == 1 and first.offset is None:
-                        # One whole region: read in place (raw chunk files straight into an
-                        # aligned buffer where local), its checksum verified there.
-                        dtype = _tree.to_dtype(manifest.leaves[first.leaf].dtype)
-                        buffer = host_buffers.take(math.prod(first.shape) * dtype.itemsize)
-                        data = buffer.view(dtype).reshape(first.shape)
-                        await reader.read_into(first, first.start, first.stop, data)
-                    else:
-                        data = await reader.whole_file(first)
-                    metadata = array.spec().to_json()["metadata"]
-                    # Its zarr.json is already there (copy_metadata): no metadata I/O here.
-                    out = await ts.open(
-                        {
-                            "driver": "zarr3",
-                            "kvstore": (target / first.file).spec(),
-                            "metadata": metadata,
-                            "assume_metadata": True,
-                            "store_data_equal_to_fill_value": True,
-                        },
-                        context=context,
-                    )
-                    await out.write(data, can_reference_source_data_indefinitely=True)
-                finally:
-                    if buffer is not None:  # written or failed: nothing uses it any more
-                        host_buffers.give_back(buffer)
-                reader.forget((first.root, first.file))
-                if progress is not None:
-                    progress()
-                grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-                chunks = _write.grid_size(metadata["shape"], grid)
-                return first.file, data.nbytes, chunks
-
-        async def copy_metadata() -> None:
-            # Every piece file's zarr.json first, byte for byte, all in flight at once: small
-            # objects, before the large writes queue up. (Measured: creating each array with
-            # TensorStore as its data came took 0.2-1.3 s per piece on a busy S3 server, its
-            # metadata requests waiting behind other pieces' uploads; the copy of a 1 GiB tree
-            # took 3.6-4.2 s against 3.1-3.3 s this way and 2.9-3.0 s for a plain upload.)
-            firsts = [pieces[0] for pieces in files.values()]
-            sources = await _io.gather_all(reader.metadata_bytes(p) for p in firsts)
-            store = await ts.KvStore.open(target.spec(), context=context)
-            await _io.gather_all(
-                store.write(f"{p.file}/{_write.ZARR_JSON}", data)
-                for p, data in zip(firsts, sources, strict=True)
-            )
-
-        async def run() -> list[tuple[str, int, int]]:
-            await copy_metadata()
-            copied = await _io.gather_all(copy(ps) for ps in files.values())
-            by_stripe: dict[str, dict[str, int]] = {}
-            for file, _, chunks in copied:
-                stripe, _, name = file.partition("/")
-                by_stripe.setdefault(stripe, {})[name] = chunks
-            await _io.gather_all(
-                _write.check_written(target / stripe, names) for stripe, names in by_stripe.items()
-            )
-            return copied
-
+        limit = asyncio.Semaphore(_files_at_once(manifest, reader, memory_bytes))
+        copier = _Copier(manifest, reader, target, context, host_buffers, limit, progress)
         _check_unique(manifest)
-        copied = _io.run_sync(run())
+        copied = _io.run_sync(copier.run())
     if commit:
-        _manifest.write_manifest(target, manifest.in_item_dir())
+        _manifest_io.write_manifest(target, manifest.in_item_dir())
     return CopyStats(
         bytes=sum(n for _, n, _ in copied),
         files=len(copied),
         seconds=time.perf_counter() - start,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copier:
+    """One copy in flight: the source's pieces, where they go, and what bounds its memory.
+
+    Attributes:
+      manifest: the source's manifest.
+      reader: reads (and verifies) the source's piece files.
+      target: the destination item.
+      context: the TensorStore context of the writes.
+      buffers: where host buffers of whole pieces come from and go back to.
+      limit: how many piece files may be in memory at once.
+      progress: called after each piece file is written, or None.
+    """
+
+    manifest: Manifest
+    reader: _read.PieceReader
+    target: KvPath
+    context: ts.Context
+    buffers: BufferPool
+    limit: asyncio.Semaphore
+    progress: Callable[[], None] | None
+
+    async def run(self) -> list[tuple[str, int, int]]:
+        """Copies every piece file, then checks the destination lists all their objects.
+
+        Returns:
+          Per piece file: its name, bytes of data, and number of chunks.
+        """
+        await self._copy_metadata()
+        files = self.reader.files().values()
+        copied = await _io.gather_all(self._copy_file(ps) for ps in files)
+        by_stripe: dict[str, dict[str, int]] = {}
+        for file, _, chunks in copied:
+            stripe, _, name = file.partition("/")
+            by_stripe.setdefault(stripe, {})[name] = chunks
+        await _io.gather_all(
+            _write.check_written(self.target / stripe, names) for stripe, names in by_stripe.items()
+        )
+        return copied
+
+    async def _copy_metadata(self) -> None:
+        # Every piece file's zarr.json first, byte for byte, all in flight at once: small
+        # objects, before the large writes queue up. (Measured: creating each array with
+        # TensorStore as its data came took 0.2-1.3 s per piece on a busy S3 server, its
+        # metadata requests waiting behind other pieces' uploads; the copy of a 1 GiB tree
+        # took 3.6-4.2 s against 3.1-3.3 s this way and 2.9-3.0 s for a plain upload.)
+        firsts = [pieces[0] for pieces in self.reader.files().values()]
+        sources = await _io.gather_all(self.reader.metadata_bytes(p) for p in firsts)
+        store = await ts.KvStore.open(self.target.spec(), context=self.context)
+        await _io.gather_all(
+            store.write(f"{p.file}/{_write.ZARR_JSON}", data)
+            for p, data in zip(firsts, sources, strict=True)
+        )
+
+    async def _copy_file(self, pieces: list[PieceRecord]) -> tuple[str, int, int]:
+        """Copies one piece file (its ``pieces``, several in a pack): name, bytes, chunks."""
+        async with self.limit:
+            first = pieces[0]
+            array = await self.reader.array(first)
+            buffer = None
+            try:
+                if len(pieces) == 1 and first.offset is None:
+                    # One whole region: read in place (raw chunk files straight into an
+                    # aligned buffer where local), its checksum verified there.
+                    dtype = _tree.to_dtype(self.manifest.leaves[first.leaf].dtype)
+                    buffer = self.buffers.take(math.prod(first.shape) * dtype.itemsize)
+                    data = buffer.view(dtype).reshape(first.shape)
+                    await self.reader.read_into(first, first.start, first.stop, data)
+                else:
+                    data = await self.reader.whole_file(first)
+                metadata = array.spec().to_json()["metadata"]
+                # Its zarr.json is already there (_copy_metadata): no metadata I/O here.
+                out = await ts.open(
+                    {
+                        "driver": "zarr3",
+                        "kvstore": (self.target / first.file).spec(),
+                        "metadata": metadata,
+                        "assume_metadata": True,
+                        "store_data_equal_to_fill_value": True,
+                    },
+                    context=self.context,
+                )
+                await out.write(data, can_reference_source_data_indefinitely=True)
+            finally:
+                if buffer is not None:  # written or failed: nothing uses it any more
+                    self.buffers.give_back(buffer)
+            self.reader.forget((first.root, first.file))
+            if self.progress is not None:
+                self.progress()
+            grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+            chunks = _write.grid_size(metadata["shape"], grid)
+            return first.file, data.nbytes, chunks
+
+
+def _files_at_once(manifest: Manifest, reader: _read.PieceReader, memory_bytes: int) -> int:
+    """How many piece files fit in ``memory_bytes`` at once: at least one, the largest."""
+    files = reader.files().values()
+    largest = max((_file_bytes(manifest, ps) for ps in files), default=1)
+    return max(1, memory_bytes // max(largest, 1))
 
 
 def _file_bytes(manifest: Manifest, pieces: list[PieceRecord]) -> int:
@@ -262,7 +297,7 @@ def _check_unique(manifest: Manifest) -> None:
     seen: dict[str, int] = {}
     for p in manifest.pieces:
         if seen.setdefault(p.file, p.root) != p.root:
-            raise _manifest.CheckpointFormatError(
+            raise CheckpointFormatError(
                 f"piece file {p.file} is on roots {seen[p.file]} and {p.root}: the item cannot "
                 "be copied into one directory."
             )

@@ -18,41 +18,23 @@ writes from aligned host buffers, in parallel over several devices, overlapped w
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import os
 import pathlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_args
 from orbax.checkpoint import options as options_lib
 
-# Orbax 0.12 has no public name for the tree metadata a handler's `metadata()` must return
-# (what `CheckpointManager.item_metadata` expects): the one private import left here.
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-
-from cocijax import _files
-from cocijax.storage import (
-    _direct,
-    _io,
-    _kvpath,
-    _layout,
-    _manifest,
-    _restore,
-    _snapshot,
-    _write,
-)
+from cocijax._orbax_compat import TreeMetadata
+from cocijax.storage import _commit, _io, _metadata, _options, _parts, _restore, _snapshot, _write
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._manifest import Manifest, PieceRecord
 
 _MiB = 1 << 20
 
@@ -145,28 +127,8 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             ``store_timeout_s``), an unsupported URL scheme, options TensorStore refuses, or
             an option is out of range.
         """
-        if isinstance(roots, str | os.PathLike):
-            raise TypeError(
-                f"roots must be a sequence of directories, got the single path {roots!r}; "
-                "write roots=[...]."
-            )
-        resolved: list[pathlib.Path | KvPath] = []
-        for i, root in enumerate(roots):
-            path = _kvpath.location(root, root_options)
-            if isinstance(path, KvPath):
-                _check_writable_object_store(path, f"roots[{i}]", store_timeout_s)
-            else:
-                path = path.expanduser().absolute()
-                _check_writable(path, f"roots[{i}]")
-                path = path.resolve()
-            if path in resolved:
-                raise ValueError(
-                    f"roots[{i}]={str(root)!r} is the same directory as "
-                    f"roots[{resolved.index(path)}]; each root must be distinct."
-                )
-            resolved.append(path)
-        self._roots: tuple[pathlib.Path | KvPath | None, ...] = tuple(resolved) or (None,)
-        self._options = _Options(
+        self._roots = _options.resolve_roots(roots, root_options, store_timeout_s)
+        self._options = _options.Options(
             root_options=root_options,
             concurrency=concurrency,
             encoding=_write.Encoding(chunk_bytes, compression, compression_level),
@@ -181,7 +143,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             ).primary_host,
         )
         self._buffers = _io.HostBuffers()
-        self._last_plan: _snapshot.Plan | None = None  # of the last save (see _snapshot.Plan)
+        self._last_layout: _snapshot.SaveLayout | None = None  # of the last save
         self._direct_ok: dict[int, bool] = {}  # per root index: O_DIRECT works there
         self._context = _io.make_context(concurrency)
         self._io_executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -239,11 +201,12 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
           ValueError: no item, args of another handler, or ``custom_metadata`` not JSON.
         """
         args = _save_args(args, item)
-        snapshot = self._snapshot(args.item)
+        writer = self._writer()
+        snapshot = self._snapshot(args.item, writer)
         snapshot.custom_metadata = args.custom_metadata
         return [
             ocp.future.CommitFutureAwaitingContractedSignals(
-                self._commit(pathlib.Path(directory), snapshot), name="cocijax_striped_save"
+                writer.commit(pathlib.Path(directory), snapshot), name="cocijax_striped_save"
             )
         ]
 
@@ -258,8 +221,20 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         _io.run_sync(run())
 
-    def _snapshot(self, item: Any) -> _snapshot.Snapshot:
-        self._io_pool  # noqa: B018 -- created here, not racing inside the copy threads
+    def _writer(self) -> _commit.Writer:
+        # Made in the caller's thread: the pools are created here, not racing inside the copy
+        # threads.
+        return _commit.Writer(
+            self._roots,
+            self._options,
+            self._context,
+            self._pool,
+            self._io_pool,
+            self._buffers,
+            self._direct_ok,
+        )
+
+    def _snapshot(self, item: Any, writer: _commit.Writer) -> _snapshot.Snapshot:
         with _io.pause_gc():
             snapshot = _snapshot.take(
                 item,
@@ -269,149 +244,12 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 chunk_bytes=self._options.encoding.chunk_bytes,
                 write_numpy=jax.process_index() == (self._options.primary_host or 0),
                 pool=self._pool,
-                start_raw=self._start_raw if self._options.write_while_copying else None,
+                start_raw=writer.start_raw if self._options.write_while_copying else None,
                 buffers=self._buffers,
-                last=self._last_plan,
+                last=self._last_layout,
             )
-        self._last_plan = snapshot.plan
+        self._last_layout = snapshot.layout
         return snapshot
-
-    def _start_raw(
-        self, stripe_dir: pathlib.Path, piece: _layout.Piece, data: np.ndarray
-    ) -> list[concurrent.futures.Future] | None:
-        """Starts the direct writes of ``piece``'s chunk files; ``None`` if it needs TensorStore."""
-        if not (
-            self._options.direct_writes
-            and self._options.encoding.compression is None
-            and isinstance(stripe_dir, pathlib.Path)
-            and _direct.can_write_raw(data)
-        ):
-            return None
-        if piece.root not in self._direct_ok:  # probed once per root
-            self._direct_ok[piece.root] = _direct.supports_direct(stripe_dir.parent)
-        array_dir = stripe_dir / piece.name
-        chunk_bytes = self._options.encoding.chunk_bytes
-        rows = _write.chunk_shape(piece.shape, piece.dtype.itemsize, chunk_bytes)[0]
-        # Not fsynced one by one: the commit fsyncs every file at once once all are written,
-        # which the file system commits together (each file's own fsync, while others were
-        # still being written, cost a journal commit of its own).
-        direct = self._direct_ok[piece.root]
-        jobs = _direct.chunk_jobs(array_dir, data, rows, direct=direct, sync=False)
-        # The array's zarr.json: TensorStore's own bytes, made once per metadata in memory.
-        meta = memoryview(_write.metadata_file(self._spec(array_dir, piece)))
-        path = array_dir / _write.ZARR_JSON
-        jobs.append(functools.partial(_direct.write_file, path, meta, direct=False, sync=False))
-        return [self._io_pool.submit(job) for job in jobs]
-
-    def _spec(self, array_dir: pathlib.Path, piece: _layout.Piece) -> dict[str, Any]:
-        return _write.write_spec(array_dir, piece.dtype, piece.shape, self._options.encoding)
-
-    async def _commit(self, directory: pathlib.Path, snapshot: _snapshot.Snapshot) -> None:
-        loop = asyncio.get_running_loop()
-        stripe = snapshot.stripe
-        used = sorted({p.root for p in snapshot.pieces})
-        stripe_dirs = {r: (self._roots[r] or directory) / stripe for r in used}
-        local = {r: d for r, d in stripe_dirs.items() if isinstance(d, pathlib.Path)}
-        for d in local.values():
-            d.mkdir(exist_ok=True)
-        sums: list[asyncio.Future] = []
-        writes = []
-        for piece in snapshot.pieces:
-            data = snapshot.data(piece)
-            piece_dir = stripe_dirs[piece.root] / piece.name
-            started = snapshot.early.get(piece.name)
-            if started is None:
-                started = self._start_raw(stripe_dirs[piece.root], piece, data)
-            if started is None:
-                write = _write.write_piece(self._spec(piece_dir, piece), data, self._context)
-            else:
-                write = _io.gather_all(asyncio.wrap_future(f) for f in started)
-            writes.append(write)
-            if self._options.checksums:
-                # One job per piece, not per member: a pack of 1024 leaves is one thread hop.
-                members = snapshot.member_views(piece)
-                sums.append(loop.run_in_executor(self._pool, _io.checksums, members))
-        # The manifest needs only the checksums, which are done long before the writes: it is
-        # built and encoded meanwhile (1024 leaves: ~10 ms that no longer follow the writes).
-        written, encoded = await _io.gather_all(
-            [_io.gather_all(writes), self._encoded_manifest(directory, snapshot, sums)]
-        )
-        if self._options.reuse_host_buffers:
-            self._buffers.give_back(snapshot.owned)  # every write and checksum is done
-        # Local stripes are made durable with fsync: every file at once, then every directory
-        # that gained entries (piece directories, stripe directories and the roots holding
-        # them). On an object store a successful PUT is the promise, and one LIST checks that
-        # every object is there.
-        files = [path for paths in written if paths for path in paths]
-        await _io.gather_all(
-            loop.run_in_executor(self._io_pool, _files.fsync_file, f) for f in files
-        )
-        dirs = {local[p.root] / p.name for p in snapshot.pieces if p.root in local}
-        dirs |= {*local.values(), *(d.parent for d in local.values())}
-        await _io.gather_all(
-            [loop.run_in_executor(self._io_pool, _files.fsync_dir, d) for d in dirs]
-            + [
-                _write.check_written(d, self._chunk_counts(snapshot.pieces, r))
-                for r, d in stripe_dirs.items()
-                if r not in local
-            ]
-        )
-        # The manifest (or part) is the last thing written: it only names durable pieces.
-        if jax.process_count() == 1:
-            # This process's part is the whole manifest: written as such, durably, it leaves
-            # ``finalize`` nothing to merge (no part written, read back and parsed again).
-            await loop.run_in_executor(
-                self._pool, _manifest.write_manifest_bytes, directory, encoded
-            )
-            return
-        # The part need not be durable itself: ``finalize`` reads it and writes the manifest
-        # durably before Orbax commits the item, and an item a crash cut before that is not
-        # committed.
-        _manifest.replace_bytes(
-            _manifest.part_path(directory, jax.process_index()), encoded, fsync=False
-        )
-
-    async def _encoded_manifest(
-        self, directory: pathlib.Path, snapshot: _snapshot.Snapshot, sums: list[asyncio.Future]
-    ) -> bytes:
-        """The bytes of this save's manifest (of this process's part, with several)."""
-        checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
-        records = []
-        for piece in snapshot.pieces:
-            for chunk, start, stop, offset in piece.members:
-                records.append(
-                    PieceRecord(
-                        leaf=chunk.leaf,
-                        root=piece.root,
-                        file=f"{snapshot.stripe}/{piece.name}",
-                        start=start,
-                        stop=stop,
-                        offset=offset,
-                        checksum=next(checks) if self._options.checksums else None,
-                        process=jax.process_index(),
-                    )
-                )
-        part = Manifest(
-            version=_manifest.VERSION,
-            checksum=_io.CHECKSUM if self._options.checksums else None,
-            roots=tuple(None if r is None else str(r) for r in self._roots),
-            leaves=tuple(snapshot.leaves),
-            pieces=tuple(records),
-            custom_metadata=snapshot.custom_metadata,
-        )
-        if jax.process_count() == 1:
-            encode = functools.partial(_manifest.encode_manifest, directory, part)
-        else:  # a part: finalize checks that the parts cover every leaf when it merges them
-            encode = functools.partial(_manifest.encode_part, part)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
-
-    def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
-        chunk_bytes = self._options.encoding.chunk_bytes
-        return {
-            p.name: _write.chunk_count(p.shape, p.dtype.itemsize, chunk_bytes)
-            for p in pieces
-            if p.root == root
-        }
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's manifest part into the manifest (primary process only).
@@ -422,7 +260,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the parts disagree or do not cover every leaf.
         """
-        _manifest.merge_parts(pathlib.Path(directory))
+        _parts.merge_parts(pathlib.Path(directory))
 
     # ---------------------------------------------------------------------------- restoring
 
@@ -466,7 +304,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 root_options=self._options.root_options,
             )
 
-    def metadata(self, directory: epath.Path) -> tree_metadata.TreeMetadata:
+    def metadata(self, directory: epath.Path) -> TreeMetadata:
         """The saved tree as Orbax's tree metadata, read from the manifest without data.
 
         What ``ocp.StandardCheckpointHandler.metadata`` returns, so that
@@ -480,7 +318,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Raises:
           CheckpointFormatError: the manifest is missing or invalid.
         """
-        return _restore.tree_metadata_of(pathlib.Path(directory))
+        return _metadata.tree_metadata_of(pathlib.Path(directory))
 
     def close(self) -> None:
         """Stops the handler's threads and frees its kept host buffers (both come back if the
@@ -490,35 +328,6 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 pool.shutdown(wait=True)
         self._executor = self._io_executor = None
         self._buffers.clear()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Options:
-    """A handler's options: its constructor's arguments of the same names, checked.
-
-    One frozen object, as Orbax keeps its options (``MultiprocessingOptions``): a save or
-    restore in flight reads the options the handler was built with, and each check lives beside
-    the value it checks. ``encoding`` holds ``chunk_bytes``, ``compression`` and
-    ``compression_level`` (what a piece's zarr spec follows from); ``primary_host`` is
-    ``multiprocessing_options.primary_host``.
-    """
-
-    root_options: Mapping[str, Any] | None
-    concurrency: int
-    encoding: _write.Encoding
-    piece_bytes: int
-    small_bytes: int
-    checksums: bool
-    direct_writes: bool
-    reuse_host_buffers: bool
-    write_while_copying: bool
-    primary_host: int | None
-
-    def __post_init__(self) -> None:
-        for name, low in (("concurrency", 1), ("piece_bytes", 1), ("small_bytes", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
 
 
 def _either_style(args: Any, item: Any, expected: type, verb: str, what: str) -> Any:
@@ -551,24 +360,6 @@ def _save_args(args: Any, item: Any) -> StripedSave:
 def _restore_args(args: Any, item: Any) -> StripedRestore:
     """:class:`StripedRestore` from either calling style."""
     return _either_style(args, item, StripedRestore, "restore", "target")
-
-
-def _check_writable(path: pathlib.Path, name: str) -> None:
-    try:
-        _files.make_dirs(path)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".cocijax-probe-"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{name}={str(path)!r} cannot be written: {e}.") from e
-
-
-def _check_writable_object_store(path: KvPath, name: str, timeout_s: float | None) -> None:
-    # The same promise as for a local root: a root that cannot be written fails here, naming
-    # it, not at the first save (a wrong endpoint, bucket or credentials).
-    try:
-        _kvpath.probe_writable(path, timeout_s)
-    except (ValueError, OSError) as e:  # TensorStore raises ValueError for I/O failures
-        raise ValueError(f"{name}={path.url!r} cannot be written: {e}.") from e
 
 
 @checkpoint_args.register_with_handler(StripedCheckpointHandler, for_save=True)

@@ -23,13 +23,14 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tensorstore as ts
+
+from cocijax import _files
 
 # URL scheme -> TensorStore kvstore driver.
 DRIVERS = {"s3": "s3", "gs": "gcs"}
@@ -256,7 +257,7 @@ class KvPath:
     def delete_all(self) -> None:
         """Deletes every key below this prefix (for ``file``, the directory itself too)."""
         if self.driver == "file":
-            shutil.rmtree(self.key, ignore_errors=True)
+            _files.remove_tree(self.key)  # errors raised, as the object stores' are
             return
         self.wait(self.open().delete_range(ts.KvStore.KeyRange()), "delete")
 

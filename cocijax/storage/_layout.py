@@ -1,4 +1,4 @@
-"""Striping plan: which bytes go to which root, in which zarr array.
+"""Striping layout: which bytes go to which root, in which zarr array.
 
 Three steps, all on metadata (no data is touched):
 
@@ -39,7 +39,7 @@ class Chunk:
     dtype: np.dtype
     source: int = 0
 
-    # Cached: the plan asks for them several times per chunk, and a tree may have 1000s.
+    # Cached: lay_out asks for them several times per chunk, and a tree may have 1000s.
     @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.start, self.stop, strict=True))
@@ -88,7 +88,7 @@ def piece_target(total_bytes: int, num_roots: int, piece_bytes: int, small_bytes
     return max(small_bytes, min(piece_bytes, math.ceil(total_bytes / max(num_roots, 1))))
 
 
-def plan(
+def lay_out(
     chunks: list[Chunk],
     num_roots: int,
     *,
@@ -104,11 +104,11 @@ def plan(
       small_bytes: chunks strictly below this size are packed with others of their dtype.
 
     Returns:
-      Pieces with ``root`` set, named ``p00000``, ``p00001``, ... in plan order.
+      Pieces with ``root`` set, named ``p00000``, ``p00001``, ... in layout order.
 
     Example:
       >>> c = Chunk(0, (0,), (1 << 20,), np.dtype("float32"))
-      >>> [p.root for p in plan([c], 2, piece_bytes=1 << 21, small_bytes=1 << 10)]
+      >>> [p.root for p in lay_out([c], 2, piece_bytes=1 << 21, small_bytes=1 << 10)]
       [0, 1]
     """
     total = sum(c.nbytes for c in chunks)

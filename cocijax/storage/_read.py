@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from cocijax.storage import _direct, _kvpath, _layout, _manifest, _tree, _write
+from cocijax.storage import _direct, _kvpath, _layout, _manifest_io, _tree, _write
 from cocijax.storage._io import (
     CHECKSUM,
     aligned_empty,
@@ -29,7 +29,9 @@ from cocijax.storage._io import (
     run_sync,
 )
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._manifest import (
+from cocijax.storage._records import (
+    MANIFEST_NAME,
+    CheckpointFormatError,
     CorruptCheckpointError,
     Location,
     Manifest,
@@ -77,7 +79,7 @@ class PieceReader:
         self._pool = pool  # checksums
         self._io_pool = io_pool or pool  # blocking chunk-file reads
         if manifest.checksum not in (None, CHECKSUM):
-            raise _manifest.CheckpointFormatError(
+            raise CheckpointFormatError(
                 f"{item_dir}: checksums are {manifest.checksum!r}; this version of cocijax "
                 f"reads {CHECKSUM!r} only."
             )
@@ -368,9 +370,9 @@ def verify(
     """
     item_dir = _kvpath.location(item_dir, root_options)
     try:
-        manifest = _manifest.read_manifest(item_dir)
-    except (_manifest.CheckpointFormatError, OSError) as e:
-        return [Problem("", str(item_dir / _manifest.MANIFEST_NAME), str(e))]
+        manifest = _manifest_io.read_manifest(item_dir)
+    except (CheckpointFormatError, OSError) as e:
+        return [Problem("", str(item_dir / MANIFEST_NAME), str(e))]
     manifest = manifest.with_roots(roots)
     context = make_context(16)
     with (

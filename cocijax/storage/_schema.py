@@ -5,19 +5,17 @@ may still parse. Everything the restore and verify paths take from it is checked
 so that such a manifest is a :class:`CheckpointFormatError` naming the field, never an
 ``IndexError`` deep in a restore, an allocation of a made-up size, or a read outside the roots.
 What a check cannot see (a changed inline value or dtype that is still valid) is caught by the
-manifest's digest (``_digest``); manifests written before the digest lack it.
+manifest's digest (``_codec``); manifests written before the digest lack it.
 """
 
 from __future__ import annotations
 
 import math
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cocijax.storage import _tree
-
-if TYPE_CHECKING:
-    from cocijax.storage._manifest import LeafRecord, Manifest
+from cocijax.storage._records import CheckpointFormatError, LeafRecord, Manifest
 
 __all__ = ["check_coverage", "check_manifest"]
 
@@ -38,8 +36,9 @@ def _int(value: Any, low: int = 0, high: int = _MAX_DIM) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def check_manifest(manifest: Manifest, source: str, error: type[Exception]) -> None:
-    """Raises ``error`` naming ``source`` and the field when ``manifest`` breaks the schema.
+def check_manifest(manifest: Manifest, source: str) -> None:
+    """Raises :class:`CheckpointFormatError` naming ``source`` and the field when ``manifest``
+    breaks the schema.
 
     Checked: every field's type and range; each leaf's kind, dtype, shape and inline value;
     key paths that rebuild one tree (no duplicate, none inside another leaf); each piece's
@@ -85,7 +84,7 @@ def check_manifest(manifest: Manifest, source: str, error: type[Exception]) -> N
             if not _int(piece.process):
                 raise _Bad(f"{where}.process {piece.process!r} is not a process index")
     except _Bad as e:
-        raise error(f"{source} is malformed: {e}.") from None
+        raise CheckpointFormatError(f"{source} is malformed: {e}.") from None
 
 
 def _check_leaf(leaf: LeafRecord, where: str) -> None:
@@ -158,8 +157,9 @@ def _inside(file: Any) -> bool:
     return not path.is_absolute() and ".." not in path.parts
 
 
-def check_coverage(manifest: Manifest, item_dir: object, error: type[Exception]) -> None:
-    """Raises ``error`` when an array leaf's pieces do not add up to the whole leaf.
+def check_coverage(manifest: Manifest, item_dir: object) -> None:
+    """Raises :class:`CheckpointFormatError` when an array leaf's pieces do not add up to the
+    whole leaf.
 
     Pieces come from replica-0 shards, which never overlap, so equal volume means full cover: a
     leaf with a missing piece would otherwise restore with a region never written.
@@ -171,7 +171,7 @@ def check_coverage(manifest: Manifest, item_dir: object, error: type[Exception])
         if leaf.kind in _tree.INLINE_KINDS:
             continue
         if n != leaf.size:
-            raise error(
+            raise CheckpointFormatError(
                 f"Leaf {leaf.path} in {item_dir}: the saved pieces cover {n} of {leaf.size} "
                 "elements; a process did not write its shards, or the manifest lost a piece."
             )

@@ -2,7 +2,7 @@
 
 Every leaf is recorded for the manifest; every replica-0 shard (or whole numpy array, on the
 primary process) becomes a *chunk* to write, and ``_layout`` plans the pieces; that
-:class:`Plan` is kept for the next save of the same structure. Then each chunk
+:class:`SaveLayout` is kept for the next save of the same structure. Then each chunk
 is copied exactly once, in parallel (numpy's copy releases the GIL), into page-aligned memory
 that direct writes use as it is; small chunks are copied straight into their packs. That memory
 comes from the handler's ``HostBuffers``: a save of the same shapes as the last one copies into
@@ -27,8 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cocijax.storage import _io, _layout, _manifest, _tree
-from cocijax.storage._manifest import LeafRecord
+from cocijax.storage import _io, _layout, _tree
+from cocijax.storage._records import STRIPE_PREFIX, LeafRecord
 
 # Starts the direct writes of one piece: (stripe directory, piece, its host data) -> futures,
 # or None when the piece must go through TensorStore.
@@ -39,7 +39,7 @@ StartRaw = Callable[
 
 @dataclasses.dataclass
 class Snapshot:
-    """Host copy of this process's share of a tree, plus the plan to write it."""
+    """Host copy of this process's share of a tree, plus the layout to write it."""
 
     leaves: list[LeafRecord]
     pieces: list[_layout.Piece]
@@ -51,7 +51,8 @@ class Snapshot:
     custom_metadata: Any = None  # StripedSave.custom_metadata, kept in the manifest
     # The HostBuffers memory behind ``buffers`` and ``packs``, given back once written.
     owned: list[np.ndarray] = dataclasses.field(default_factory=list)
-    plan: Plan | None = None  # what was written; the next save of the same structure reuses it
+    # What was written; the next save of the same structure reuses it.
+    layout: SaveLayout | None = None
 
     def data(self, piece: _layout.Piece) -> np.ndarray:
         if piece.packed:
@@ -70,7 +71,7 @@ class Snapshot:
 # Describing 1024 leaves and planning their pieces took ~11 ms of a 45 ms blocking save
 # (write_bench tree (b)): hence one plan per tree structure, reused.
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SaveLayout:
     """What a save writes of one tree structure; the next save of the same structure reuses it.
 
     A training job saves the same structure every time, so describing its leaves and planning
@@ -96,7 +97,7 @@ class Plan:
 
 
 def signature(treedef: Any, flat: Sequence[Any], **options: Any) -> tuple:
-    """Everything a :class:`Plan` of the leaves ``flat`` depends on, besides inline values.
+    """Everything a :class:`SaveLayout` of the leaves ``flat`` depends on, besides inline values.
 
     The tree structure (which fixes every key path), each array's shape, dtype and sharding,
     the type of every other leaf, and the planning ``options``.
@@ -123,7 +124,7 @@ def describe(
 
     Returns:
       The records, the chunks, and per chunk source its ``(leaf index, shard index)`` and
-      whether the host copies it (see :class:`Plan`).
+      whether the host copies it (see :class:`SaveLayout`).
 
     Raises:
       UnsupportedLeafError: a leaf's type or dtype cannot be saved (names its path).
@@ -183,7 +184,7 @@ def describe(
     return leaves, chunks, sources, on_host
 
 
-def make_plan(
+def make_layout(
     flat: Sequence[tuple[Any, Any]],
     key: tuple,
     *,
@@ -191,25 +192,25 @@ def make_plan(
     write_numpy: bool,
     piece_bytes: int,
     small_bytes: int,
-) -> Plan:
+) -> SaveLayout:
     """Describes the leaves ``flat`` and plans their pieces; ``key`` is their :func:`signature`."""
     leaves, chunks, sources, on_host = describe(flat, write_numpy)
-    pieces = _layout.plan(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=small_bytes)
+    pieces = _layout.lay_out(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=small_bytes)
     inline = tuple(i for i, r in enumerate(leaves) if r.kind in _tree.INLINE_KINDS)
-    return Plan(key, tuple(leaves), inline, tuple(sources), tuple(on_host), tuple(pieces))
+    return SaveLayout(key, tuple(leaves), inline, tuple(sources), tuple(on_host), tuple(pieces))
 
 
 def _inline_value(kind: str, leaf: Any) -> Any:
     return _tree.empty_tag(leaf) if kind == _tree.EMPTY_KIND else leaf
 
 
-def _source_data(flat: Sequence[tuple[Any, Any]], plan: Plan) -> list[Any]:
-    """This save's data behind each of the plan's sources (arrays, or shards of arrays)."""
+def _source_data(flat: Sequence[tuple[Any, Any]], layout: SaveLayout) -> list[Any]:
+    """This save's data behind each of the layout's sources (arrays, or shards of arrays)."""
     data: list[Any] = []
     shards: dict[int, list[Any]] = {}  # addressable_shards builds its list anew at every call
-    for index, shard_index in plan.sources:
+    for index, shard_index in layout.sources:
         leaf = flat[index][1]
-        if plan.leaves[index].kind == _tree.KEY_KIND:
+        if layout.leaves[index].kind == _tree.KEY_KIND:
             leaf = jax.random.key_data(leaf)
         if shard_index is None:
             data.append(leaf)
@@ -231,7 +232,7 @@ def take(
     pool: concurrent.futures.Executor,
     start_raw: StartRaw | None,
     buffers: _io.HostBuffers,
-    last: Plan | None = None,
+    last: SaveLayout | None = None,
 ) -> Snapshot:
     """Plans the pieces of ``item`` and copies this process's share to host memory.
 
@@ -246,7 +247,7 @@ def take(
       start_raw: starts a piece's direct writes (see :data:`StartRaw`) while the rest is
         copied; ``None``: nothing is written before the whole copy is done.
       buffers: where the host memory comes from (``snapshot.owned`` goes back there).
-      last: the plan of the previous save (``snapshot.plan``), reused if its signature holds.
+      last: the layout of the previous save (``snapshot.layout``), reused if its signature holds.
     """
     flat, treedef = _tree.flatten(item)
     options = dict(
@@ -256,18 +257,20 @@ def take(
         small_bytes=small_bytes,
     )
     key = signature(treedef, [leaf for _, leaf in flat], **options)
-    plan = last if last is not None and last.signature == key else make_plan(flat, key, **options)
-    leaves = list(plan.leaves)
-    for i in plan.inline:
+    layout = (
+        last if last is not None and last.signature == key else make_layout(flat, key, **options)
+    )
+    leaves = list(layout.leaves)
+    for i in layout.inline:
         record = leaves[i]
         leaves[i] = dataclasses.replace(record, value=_inline_value(record.kind, flat[i][1]))
-    pieces = list(plan.pieces)
-    sources = _source_data(flat, plan)
-    for s, host in zip(sources, plan.on_host, strict=True):
+    pieces = list(layout.pieces)
+    sources = _source_data(flat, layout)
+    for s, host in zip(sources, layout.on_host, strict=True):
         if not host:
             s.copy_to_host_async()  # Overlaps device-to-host transfers on accelerators.
-    stripe = f"{_manifest.STRIPE_PREFIX}{uuid.uuid4().hex}"
-    snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, plan=plan)
+    stripe = f"{STRIPE_PREFIX}{uuid.uuid4().hex}"
+    snapshot = Snapshot(leaves, pieces, [None] * len(sources), {}, stripe, {}, layout=layout)
     # Stripe directories on external roots can be made now, so a piece's chunk files can be
     # written as soon as its host copy is done (the item directory may not exist yet). Only
     # pieces of at least one full chunk start early: with few cores, the per-file work of small
@@ -288,7 +291,7 @@ def take(
                 if started is not None:
                     snapshot.early[piece.name] = started
 
-    jobs = _copy_jobs(snapshot, sources, plan.on_host, buffers)
+    jobs = _copy_jobs(snapshot, sources, layout.on_host, buffers)
     list(pool.map(copy_then_write, jobs))
     return snapshot
 

@@ -183,6 +183,25 @@ def leaf_kind(path: Any, leaf: Any) -> str:
     return kind
 
 
+def check_tree(tree: Any) -> None:
+    """Checks that the handler can save every leaf of ``tree``, without touching the data.
+
+    For callers that must refuse a tree before starting background work (a manager, before
+    Orbax starts its threads).
+
+    Raises:
+      TypeError: a leaf's type or dtype cannot be saved; the message names the leaf's path.
+
+    Example:
+      >>> check_tree({"w": [1.0, 2.0], "bad": {"leaf": object()}})
+      Traceback (most recent call last):
+      ...
+      UnsupportedLeafError: Leaf ['bad']['leaf']: unsupported type object; ...
+    """
+    for path, leaf in flatten(tree)[0]:
+        leaf_kind(path, leaf)
+
+
 def encode_keys(path: Any) -> tuple[tuple[str, Any], ...]:
     """Key path entries as JSON-friendly ``(kind, key)`` pairs."""
     out = []

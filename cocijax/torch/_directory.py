@@ -22,13 +22,12 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from cocijax.storage import fsync_dir
+from cocijax._files import fsync_dir, remove_tree, replace_bytes
 
 __all__ = [
     "FORMAT",
@@ -84,11 +83,8 @@ def remove_uncommitted(directory: Path) -> None:
 
 def commit(directory: Path, tmp: Path, step: int, meta: dict[str, Any]) -> None:
     """Writes ``cocijax.json`` into ``tmp`` and renames it to ``<step>``, durably."""
-    path = tmp / METADATA_NAME
-    with open(path, "w") as f:
-        json.dump({"format": FORMAT, "step": step, "time": time.time(), **meta}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    record = {"format": FORMAT, "step": step, "time": time.time(), **meta}
+    replace_bytes(tmp / METADATA_NAME, json.dumps(record).encode(), fsync=True)
     os.rename(tmp, directory / str(step))
     fsync_dir(directory)
 
@@ -130,7 +126,7 @@ def empty_trash(directory: Path) -> None:
         return
     for entry in entries:
         try:
-            shutil.rmtree(entry)
+            remove_tree(entry)
         except OSError as e:
             log.warning(
                 "could not remove %s, a deleted step or save (retried at the next deletion or "

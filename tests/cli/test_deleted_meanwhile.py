@@ -17,6 +17,7 @@ import pytest
 
 import cocijax as cj
 from cocijax.cli import _inspect, main
+from cocijax.storage._records import MANIFEST_NAME
 
 
 @pytest.fixture
@@ -83,6 +84,6 @@ def test_a_step_deleted_while_it_is_read_is_skipped_not_damaged(
 
 
 def test_a_step_missing_a_file_while_its_directory_stays_is_damage(two_steps, capsys):
-    (two_steps / "1" / "state" / cj.storage.MANIFEST_NAME).unlink()
+    (two_steps / "1" / "state" / MANIFEST_NAME).unlink()
     assert main(["ls", str(two_steps)]) == 1
     assert "DAMAGED" in capsys.readouterr().out

@@ -22,7 +22,9 @@ import cocijax as cj
 from cocijax import _files, storage
 from cocijax.core._driver import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _manifest
+from cocijax.storage import _manifest_io
+from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 
 def small_state(seed: int = 0):
@@ -47,13 +49,13 @@ def assert_trees_bit_equal(a, b):
 
 def stripes(root: Path) -> set[Path]:
     """Every stripe directory on ``root``, in whichever checkpoint directory's folder it is."""
-    return {p.resolve() for p in root.rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
+    return {p.resolve() for p in root.rglob(f"{STRIPE_PREFIX}*") if p.is_dir()}
 
 
 def referenced(mngr: cj.CheckpointManager) -> set[Path]:
     out: set[Path] = set()
     for step in mngr.all_steps():
-        out |= {p.resolve() for p in storage.referenced_stripe_dirs(mngr.item_directory(step))}
+        out |= {p.resolve() for p in referenced_stripe_dirs(mngr.item_directory(step))}
     return out
 
 
@@ -97,13 +99,13 @@ def test_opening_and_restoring_parse_each_manifest_once(tmp_path, monkeypatch, r
         m.save(1, state, loss=1.0)
         m.save(2, state, loss=1.0)
     parsed = []
-    parse = _manifest._parse
+    parse = _manifest_io.decode_manifest
     monkeypatch.setattr(
-        _manifest,
-        "_parse",
+        _manifest_io,
+        "decode_manifest",
         lambda raw, source: parsed.append(Path(source).parts[-3]) or parse(raw, source),
     )
-    monkeypatch.setattr(_manifest, "_PARSED", {})  # as in a new process
+    monkeypatch.setattr(_manifest_io, "_PARSED", {})  # as in a new process
     options = ocp.CheckpointManagerOptions(read_only=read_only)
     with cj.CheckpointManager(tmp_path / "ck", options=options, policy=cj.policies.fixed(1)) as m:
         assert sorted(parsed) == ["1", "2"]  # each manifest once, however often it is read
@@ -111,7 +113,7 @@ def test_opening_and_restoring_parse_each_manifest_once(tmp_path, monkeypatch, r
         assert_trees_bit_equal(m.restore(target=abstract(state)), state)
         assert sorted(parsed) == ["1", "2"]
     # A manifest replaced by other bytes is parsed again, whatever its timestamps say.
-    manifest = tmp_path / "ck" / "2" / "state" / storage.MANIFEST_NAME
+    manifest = tmp_path / "ck" / "2" / "state" / MANIFEST_NAME
     stat = manifest.stat()
     data = json.loads(manifest.read_bytes())
     data["digest"] = "0" * len(str(data.get("digest", "")))  # same length, other bytes
@@ -465,17 +467,17 @@ def test_a_manifest_that_cannot_be_interpreted_is_set_aside_and_gc_goes_on(tmp_p
         mngr.save(2, small_state(2), loss=1.0)
         mngr.wait_until_finished()
         damaged = referenced_by(mngr, 1)
-        manifest = mngr.item_directory(1) / storage.MANIFEST_NAME
+        manifest = mngr.item_directory(1) / MANIFEST_NAME
     # What a newer cocijax might write: valid JSON that this version cannot interpret.
     data = json.loads(manifest.read_text())
     data["version"] += 1
     manifest.write_text(json.dumps(data))
-    orphan = next(iter(damaged)).parent / f"{storage.STRIPE_PREFIX}orphan"
+    orphan = next(iter(damaged)).parent / f"{STRIPE_PREFIX}orphan"
     orphan.mkdir()
     with cj.CheckpointManager(ck, roots=roots, policy=cj.policies.fixed(1), max_to_keep=2) as mngr:
         assert mngr.all_steps() == [2]
         (aside,) = (ck / ".cocijax-quarantine").iterdir()
-        assert (aside / "state" / storage.MANIFEST_NAME).read_bytes() == manifest_bytes(data)
+        assert (aside / "state" / MANIFEST_NAME).read_bytes() == manifest_bytes(data)
         assert "version 2" in (aside / "cocijax-quarantine.txt").read_text()
         for step in range(3, 9):
             mngr.save(step, small_state(step), loss=1.0)
@@ -490,7 +492,7 @@ def manifest_bytes(data) -> bytes:
 
 
 def referenced_by(mngr: cj.CheckpointManager, step: int) -> set[Path]:
-    return {p.resolve() for p in storage.referenced_stripe_dirs(mngr.item_directory(step))}
+    return {p.resolve() for p in referenced_stripe_dirs(mngr.item_directory(step))}
 
 
 def test_restore_falls_back_to_the_newest_intact_step(tmp_path):
@@ -499,9 +501,7 @@ def test_restore_falls_back_to_the_newest_intact_step(tmp_path):
             mngr.save(step, small_state(step), loss=1.0)
         mngr.wait_until_finished()
         data = sorted(
-            p
-            for p in mngr.item_directory(2).rglob("*")
-            if p.is_file() and p.name != storage.MANIFEST_NAME
+            p for p in mngr.item_directory(2).rglob("*") if p.is_file() and p.name != MANIFEST_NAME
         )
         data[0].write_bytes(b"not the bytes that were saved")
         target = abstract(small_state(1))
@@ -540,7 +540,7 @@ def test_a_save_in_flight_is_not_listed_or_done_until_committed(tmp_path, monkey
         assert mngr.save(1, state, loss=1.0)
         assert 1 in mngr.orbax.all_steps()  # Orbax lists the step it is writing...
         assert mngr.all_steps() == [] and mngr.latest_step() is None  # ...cocijax does not
-        assert not (mngr.item_directory(1) / storage.MANIFEST_NAME).exists()
+        assert not (mngr.item_directory(1) / MANIFEST_NAME).exists()
         assert mngr.is_saving_in_progress()
         release.set()
         mngr.wait_until_finished()

@@ -12,6 +12,7 @@ import pytest
 
 import cocijax as cj
 from cocijax.core._retention import BestN
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 # Eval accuracy at steps 1..8; the newest step (8) is the worst but one.
 ACC = {1: 0.50, 2: 0.90, 3: 0.60, 4: 0.95, 5: 0.40, 6: 0.70, 7: 0.80, 8: 0.45}
@@ -57,7 +58,7 @@ def test_ranking_continues_after_reopening_and_stripes_of_dropped_steps_go(tmp_p
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4]  # 2 was the best on disk until 4 beat it
         stripes = {p.name for r in roots for p in r.rglob("cocijax-stripe-*") if p.is_dir()}
-        referenced = {p.name for p in cj.storage.referenced_stripe_dirs(mngr.item_directory(4))}
+        referenced = {p.name for p in referenced_stripe_dirs(mngr.item_directory(4))}
         assert stripes == referenced
 
 

@@ -18,6 +18,7 @@ import pytest
 import cocijax as cj
 from cocijax import storage
 from cocijax.manager import DurableTierError
+from cocijax.storage._records import MANIFEST_NAME
 
 
 def _state(seed: int, n: int = 256 * 1024) -> dict:
@@ -161,7 +162,7 @@ def test_a_preemption_save_is_drained_whatever_durable_every(tmp_path, s3):
         os.kill(os.getpid(), signal.SIGTERM)
         assert mngr.save(2, _state(2), loss=1.0) and mngr.reached_preemption
     # close() returned after the preemption save's drain.
-    assert f"run/2/state/{storage.MANIFEST_NAME}" in s3.keys("run/2/")
+    assert f"run/2/state/{MANIFEST_NAME}" in s3.keys("run/2/")
     assert not s3.keys("run/1/")
     for name in ("ckpt", "nvme0", "nvme1"):
         shutil.rmtree(tmp_path / name)

@@ -28,7 +28,8 @@ from _fiu_worker import Fiu, exit_after, open_manager, state
 
 import cocijax as cj
 from cocijax import storage
-from cocijax.storage import _manifest
+from cocijax.storage import _parts
+from cocijax.storage._records import MANIFEST_NAME
 
 
 def gc_open_enoent(base: Path, fiu: Fiu) -> dict[str, Any]:
@@ -54,18 +55,18 @@ def merge_opendir_eacces(base: Path, fiu: Fiu) -> dict[str, Any]:
     with ocp.Checkpointer(cj.StripedCheckpointHandler(roots=[base / "root"])) as ckptr:
         ckptr.save(item, args=cj.StripedSave(state(1)))
     # The state of an item between the commit future and finalize: one part, no manifest.
-    (item / storage.MANIFEST_NAME).rename(_manifest.part_path(item, 0))
+    (item / MANIFEST_NAME).rename(_parts.part_path(item, 0))
     out: dict[str, Any] = {}
     fiu.fail("posix/io/dir/opendir", errno.EACCES)
     try:
-        _manifest.merge_parts(item)
+        _parts.merge_parts(item)
         out["merge"] = "returned"
     except Exception as e:
         out["merge"] = f"{type(e).__name__}: {e}"
     finally:
         fiu.disable(("posix/io/dir/opendir",))
-    out["manifest_after_fault"] = (item / storage.MANIFEST_NAME).exists()
-    _manifest.merge_parts(item)  # faults off: the merge the failed finalize did not do
+    out["manifest_after_fault"] = (item / MANIFEST_NAME).exists()
+    _parts.merge_parts(item)  # faults off: the merge the failed finalize did not do
     out["verifies_after_merge"] = storage.verify(item) == []
     shutil.rmtree(item)
     return out

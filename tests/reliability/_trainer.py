@@ -209,6 +209,8 @@ def pause(seconds: float) -> None:
 def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any], Any]:
     """The invariants a crash must not break; returns (findings, restored state or None)."""
     from cocijax import storage
+    from cocijax.storage._records import STRIPE_PREFIX
+    from cocijax.storage._stripes import referenced_stripe_dirs
 
     # The opening found the garbage; its removal runs in a thread of its own: wait for it.
     mngr.wait_until_finished()
@@ -227,11 +229,11 @@ def check(mngr: Any, cfg: dict[str, Any], abstract: Any) -> tuple[dict[str, Any]
         bad = storage.verify(item)
         if bad:
             problems.append(f"step {step} listed but does not verify: {bad}")
-        referenced |= {p.resolve() for p in storage.referenced_stripe_dirs(item)}
+        referenced |= {p.resolve() for p in referenced_stripe_dirs(item)}
     on_disk = {
         p.resolve()
         for root in cfg["roots"]
-        for p in Path(root).rglob(f"{storage.STRIPE_PREFIX}*")
+        for p in Path(root).rglob(f"{STRIPE_PREFIX}*")
         if p.is_dir()
     }
     orphans = sorted(str(p) for p in on_disk - referenced)

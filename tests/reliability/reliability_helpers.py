@@ -113,15 +113,15 @@ def orphaned_stripes(mngr: Any) -> list[Path]:
     Worked out from each step's manifest and a listing of the roots, not by the garbage
     collector's own function, which is what this checks.
     """
-    from cocijax import storage
+    from cocijax.storage._stripes import find_stripe_dirs, referenced_stripe_dirs
 
     mngr.wait_until_finished()  # removals of garbage run in a thread of their own
     referenced = {
         p.resolve()
         for step in mngr.all_steps()
-        for p in storage.referenced_stripe_dirs(mngr.item_directory(step))
+        for p in referenced_stripe_dirs(mngr.item_directory(step))
     }
-    on_disk = {p.resolve() for r in mngr.stripe_roots for p in storage.find_stripe_dirs(r)}
+    on_disk = {p.resolve() for r in mngr.stripe_roots for p in find_stripe_dirs(r)}
     return sorted(on_disk - referenced)
 
 

@@ -27,6 +27,7 @@ import cocijax as cj
 from cocijax import cli, storage
 from cocijax.manager import DirectoryLockedError
 from cocijax.storage import _direct
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 pytestmark = pytest.mark.xdist_group("reliability-concurrency")
 
@@ -90,8 +91,7 @@ def test_next_save_never_interleaves_with_the_running_one(tmp_path: Path, monkey
     # The overlap really happened (else this test would prove nothing).
     assert any(running_when_next_started), "every save finished before the next began"
     stripes = {
-        s: [d.name for d in storage.referenced_stripe_dirs(item_dir(directory, s))]
-        for s in (1, 2, 3)
+        s: [d.name for d in referenced_stripe_dirs(item_dir(directory, s))] for s in (1, 2, 3)
     }
     by_step: dict[int, list[dict[int, bool]]] = {1: [], 2: [], 3: []}
     for spec, committed in opens:

@@ -20,6 +20,8 @@ from reliability_helpers import item_dir, pieces
 
 import cocijax as cj
 from cocijax import cli, storage
+from cocijax.storage._records import MANIFEST_NAME
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 pytestmark = pytest.mark.xdist_group("reliability-corruption")
 
@@ -143,7 +145,7 @@ def test_damaged_piece_is_named_by_verify_restore_and_fallback(
 @pytest.mark.parametrize("damage", ["missing", "not_json", "empty", "truncated_json"])
 def test_bad_manifest_means_uncommitted_never_an_empty_tree(three_steps, damage: str) -> None:
     directory, roots = three_steps
-    manifest = item_dir(directory, 3) / storage.MANIFEST_NAME
+    manifest = item_dir(directory, 3) / MANIFEST_NAME
     text = manifest.read_text()
     if damage == "missing":
         manifest.unlink()
@@ -172,7 +174,7 @@ def test_bad_manifest_means_uncommitted_never_an_empty_tree(three_steps, damage:
 
 def test_deleted_stripe_directory_of_one_root(three_steps, capsys) -> None:
     directory, roots = three_steps
-    stripe_dirs = sorted(storage.referenced_stripe_dirs(item_dir(directory, 3)))
+    stripe_dirs = sorted(referenced_stripe_dirs(item_dir(directory, 3)))
     assert len(stripe_dirs) >= 2, "two roots should each hold a stripe of step 3"
     shutil.rmtree(stripe_dirs[-1])
     assert cli.main(["verify", str(directory), "--step", "3"]) == 1

@@ -69,8 +69,8 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
         (0.0, 0.002),
     ),
     # One manifest per save (a single process writes it whole): at most 6 saves a run.
-    "manifest": ("cocijax.storage._manifest:replace_bytes", (1, 4), (0.0, 0.001)),
-    "merge": ("cocijax.storage._manifest:merge_parts", (1, 4), (0.0, 0.001)),
+    "manifest": ("cocijax.storage._manifest_io:replace_bytes", (1, 4), (0.0, 0.001)),
+    "merge": ("cocijax.storage._parts:merge_parts", (1, 4), (0.0, 0.001)),
     "finalize": (
         "orbax.checkpoint._src.path.atomicity:AtomicRenameTemporaryPath.finalize",
         (1, 4),

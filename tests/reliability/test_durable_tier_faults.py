@@ -31,6 +31,7 @@ import cocijax as cj
 from cocijax import storage
 from cocijax.cli import main as cli
 from cocijax.manager import DurableTierError, StepDeletedError, _tier_read, _tiers
+from cocijax.storage._records import MANIFEST_NAME
 
 # Generous bound for a test that must not hang; the behaviour is checked by what is raised.
 HANG_GUARD_S = 60
@@ -357,9 +358,7 @@ def test_durable_steps_the_store_lost_are_listed_again_and_skipped(tmp_path, s3)
         _save(writer, 1, 2, 3)
         with _reader(tmp_path / "r", url, options) as reader:  # lists [1, 2, 3]; no local copy
             for step in (3, 2):  # the store lost the two newest steps
-                s3.client.delete_object(
-                    Bucket=s3.name, Key=f"run/{step}/state/{storage.MANIFEST_NAME}"
-                )
+                s3.client.delete_object(Bucket=s3.name, Key=f"run/{step}/state/{MANIFEST_NAME}")
             assert reader.durable_steps() == [1, 2, 3]
             assert reader.restore(fallback=True)["step"] == 1
             assert reader.durable_steps() == [1]
@@ -394,7 +393,7 @@ def test_close_abandons_a_drain_to_a_store_that_never_answers(tmp_path, s3, s3_p
     warned = [r.getMessage() for r in caplog.records if "abandoning the drain" in r.getMessage()]
     assert len(warned) == 1 and "[2]" in warned[0] and str(tmp_path / "ckpt") in warned[0]
     s3_proxy.up()
-    assert f"run/2/state/{storage.MANIFEST_NAME}" not in s3.keys("run/2/")
+    assert f"run/2/state/{MANIFEST_NAME}" not in s3.keys("run/2/")
 
 
 # -- malformed records ----------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from reliability_helpers import item_dir
 
 import cocijax as cj
 from cocijax import storage
+from cocijax.storage._records import STRIPE_PREFIX
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 pytestmark = pytest.mark.xdist_group("reliability-mounts")
 
@@ -42,7 +44,7 @@ def _free_bytes(path: Path) -> int:
 
 def _stripe_bytes_on(root: Path, directory: Path, step: int) -> int:
     total = 0
-    for d in storage.referenced_stripe_dirs(item_dir(directory, step)):
+    for d in referenced_stripe_dirs(item_dir(directory, step)):
         if Path(d).resolve().is_relative_to(root.resolve()):
             total += sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
     return total
@@ -124,13 +126,10 @@ def test_root_filling_up_mid_save(tmp_path: Path, small_tmpfs: Path) -> None:
         referenced = set()
         for step in mngr.all_steps():
             referenced |= {
-                Path(p).resolve() for p in storage.referenced_stripe_dirs(item_dir(directory, step))
+                Path(p).resolve() for p in referenced_stripe_dirs(item_dir(directory, step))
             }
         on_disk = {
-            p.resolve()
-            for r in roots
-            for p in Path(r).rglob(f"{storage.STRIPE_PREFIX}*")
-            if p.is_dir()
+            p.resolve() for r in roots for p in Path(r).rglob(f"{STRIPE_PREFIX}*") if p.is_dir()
         }
         assert on_disk == referenced
 

@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 import cocijax as cj
 from cocijax import storage
 from cocijax.manager._directory import is_committed
+from cocijax.storage._records import MANIFEST_NAME
 
 ODD_VALUES = st.sampled_from(
     [None, True, -1, 0, 2**64, 10**400, 1e308, float("nan"), float("inf"), "x", [], {}, [[[]]]]
@@ -101,7 +102,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     item = base / "1" / "state"  # laid out like a manager's step
     with ocp.Checkpointer(cj.StripedCheckpointHandler(roots=[base / "root"], **HANDLER)) as ck:
         ck.save(item, args=cj.StripedSave(_tree()))
-    text = (item / storage.MANIFEST_NAME).read_text()
+    text = (item / MANIFEST_NAME).read_text()
     return Quiet(
         item=item,
         text=text,
@@ -176,7 +177,7 @@ def mutate(draw: Any, doc: dict[str, Any]) -> str:
 
 
 def _write(item: Path, text: str) -> None:
-    (item / storage.MANIFEST_NAME).write_text(text)
+    (item / MANIFEST_NAME).write_text(text)
 
 
 @FUZZ

@@ -30,7 +30,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import cocijax as cj
 from cocijax import storage
-from cocijax.storage import _manifest
+from cocijax.storage import _stripes
+from cocijax.storage._records import STRIPE_PREFIX
 
 EXAMPLES = int(os.environ.get("COCIJAX_SEQUENCE_EXAMPLES", "3"))
 KEEP = 3
@@ -145,8 +146,8 @@ class Sequences(RuleBasedStateMachine):
         aside = directory / ".cocijax-quarantine"
         kept += [p / "state" for p in aside.iterdir()] if aside.is_dir() else []
         kept.append(self.base / "neighbour" / "1" / "state")
-        referenced = set().union(*(_manifest.stripe_names_in_use(k) or set() for k in kept))
-        on_disk = {p.name for p in self.root.rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
+        referenced = set().union(*(_stripes.stripe_names_in_use(k) or set() for k in kept))
+        on_disk = {p.name for p in self.root.rglob(f"{STRIPE_PREFIX}*") if p.is_dir()}
         assert on_disk == referenced
         with cj.CheckpointManager(
             self.base / "neighbour", options=ocp.CheckpointManagerOptions(read_only=True)

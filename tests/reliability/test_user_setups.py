@@ -31,6 +31,8 @@ import pytest
 
 import cocijax as cj
 from cocijax import storage
+from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
+from cocijax.storage._stripes import referenced_stripe_dirs
 
 
 def _state(step: int, n: int = 4) -> dict[str, np.ndarray]:
@@ -55,14 +57,14 @@ def _manager(directory: Path, **kwargs: Any) -> cj.CheckpointManager:
 
 
 def _stripes(root: Path) -> set[str]:
-    return {p.name for p in root.rglob(f"{storage.STRIPE_PREFIX}*") if p.is_dir()}
+    return {p.name for p in root.rglob(f"{STRIPE_PREFIX}*") if p.is_dir()}
 
 
 def _referenced(mngr: cj.CheckpointManager) -> set[str]:
     return {
         p.name
         for step in mngr.all_steps()
-        for p in storage.referenced_stripe_dirs(mngr.item_directory(step))
+        for p in referenced_stripe_dirs(mngr.item_directory(step))
     }
 
 
@@ -251,7 +253,7 @@ def test_a_manifest_rewritten_within_a_second_is_read_afresh(coarse_ext4):
         mngr.save(1, _state(1), loss=1.0, force=True)
         mngr.save(2, _state(2), loss=1.0, force=True)
         mngr.wait_until_finished()  # collects garbage: reads step 2's manifest
-        manifest = mngr.item_directory(2) / storage.MANIFEST_NAME
+        manifest = mngr.item_directory(2) / MANIFEST_NAME
         first = manifest.stat()
         for _ in range(20):  # a manifest of the same size (its digest's digits vary)
             mngr.delete(2)

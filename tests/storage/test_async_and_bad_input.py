@@ -11,6 +11,7 @@ import pytest
 from orbax.checkpoint._src.futures import future, synchronization
 
 import cocijax as cj
+from cocijax.storage._stripes import find_stripe_dirs
 
 CREATED = synchronization.HandlerAwaitableSignal.STEP_DIRECTORY_CREATION
 
@@ -45,7 +46,7 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
         futures[0].result(timeout=60)
     finally:
         future.AwaitableSignalsContract.remove_all_awaitable_signals(op)
-    assert any(cj.storage.find_stripe_dirs(r) for r in roots)
+    assert any(find_stripe_dirs(r) for r in roots)
     handler.finalize(item)
     got = handler.restore(item, cj.StripedRestore())
     np.testing.assert_array_equal(got["host"], np.arange(4096, dtype=np.float32))
@@ -57,7 +58,8 @@ def test_pieces_start_writing_inside_save_only_with_write_while_copying(tmp_path
     handler = cj.StripedCheckpointHandler(
         roots, small_bytes=1024, chunk_bytes=4096, write_while_copying=overlap
     )
-    snapshot = handler._snapshot({"host": np.arange(4096, dtype=np.float32)})
+    tree = {"host": np.arange(4096, dtype=np.float32)}
+    snapshot = handler._snapshot(tree, handler._writer())
     for started in snapshot.early.values():
         concurrent.futures.wait(started)
     written = [f for r in roots for f in r.rglob("*") if f.is_file()]

@@ -11,6 +11,7 @@ import pytest
 import cocijax as cj
 from cocijax import storage
 from cocijax.storage import _write
+from cocijax.storage._records import MANIFEST_NAME
 
 # 32 leaves of 512 KiB, each its own piece file (not packed: small_bytes below them).
 TREE = {f"a{i:02d}": np.arange(128 << 10, dtype=np.float32) + i for i in range(32)}
@@ -61,7 +62,7 @@ def test_a_damaged_source_is_never_copied_or_committed(item, s3):
     chunk.write_bytes(bytes(data))
     with pytest.raises(storage.CorruptCheckpointError, match=r"Leaf \['a07'\].*checksum"):
         storage.copy_item(item, s3.url("copy"), dest_options=s3.options)
-    assert f"copy/{storage.MANIFEST_NAME}" not in s3.keys("copy/")
+    assert f"copy/{MANIFEST_NAME}" not in s3.keys("copy/")
 
 
 def test_a_copy_to_s3_restores_bit_exact_where_it_is(item, s3, tmp_path):
@@ -70,9 +71,9 @@ def test_a_copy_to_s3_restores_bit_exact_where_it_is(item, s3, tmp_path):
     assert storage.verify(s3.url("copy"), root_options=s3.options) == []
     # Orbax reads item directories from local paths: the manifest comes down, the pieces are
     # read on S3 (roots=), as the manager's durable tier restores.
-    manifest = s3.client.get_object(Bucket=s3.name, Key=f"copy/{storage.MANIFEST_NAME}")
+    manifest = s3.client.get_object(Bucket=s3.name, Key=f"copy/{MANIFEST_NAME}")
     (tmp_path / "local").mkdir()
-    (tmp_path / "local" / storage.MANIFEST_NAME).write_bytes(manifest["Body"].read())
+    (tmp_path / "local" / MANIFEST_NAME).write_bytes(manifest["Body"].read())
     handler = cj.StripedCheckpointHandler(root_options=s3.options)
     with ocp.Checkpointer(handler) as ckptr:
         back = ckptr.restore(tmp_path / "local", args=cj.StripedRestore(roots=[s3.url("copy")]))
@@ -109,7 +110,7 @@ def test_a_source_without_its_metadata_is_named_and_never_committed(item, s3):
     (manifest.piece_path(piece, item) / _write.ZARR_JSON).unlink()
     with pytest.raises(storage.CorruptCheckpointError, match=r"Leaf \['a03'\]: no zarr.json"):
         storage.copy_item(item, s3.url("copy"), dest_options=s3.options)
-    assert f"copy/{storage.MANIFEST_NAME}" not in s3.keys("copy/")
+    assert f"copy/{MANIFEST_NAME}" not in s3.keys("copy/")
 
 
 def test_a_pool_keeps_at_most_its_limit_newest_first():

@@ -10,7 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cocijax as cj
-from cocijax.storage import _manifest
+from cocijax.storage import _codec, _parts, _records
+from cocijax.storage._records import MANIFEST_NAME
 
 STATE = {
     "big": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),  # 256 KiB: split pieces
@@ -95,7 +96,7 @@ def test_missing_or_truncated_piece(saved, damage):
 )
 def test_bad_manifest_raises_format_error(saved, content, match):
     handler, item = saved
-    path = item / cj.storage.MANIFEST_NAME
+    path = item / MANIFEST_NAME
     if content is None:
         path.unlink()
     else:
@@ -113,7 +114,7 @@ def test_merge_parts_of_two_processes(saved):
     """Split one committed manifest into two per-process parts; the merge must rebuild it."""
     handler, item = saved
     whole = cj.storage.read_manifest(item)
-    (item / cj.storage.MANIFEST_NAME).unlink()
+    (item / MANIFEST_NAME).unlink()
     halves = [whole.pieces[0::2], whole.pieces[1::2]]
     for process, pieces in enumerate(halves):
         # Process 1 lists the roots in the other order: the merge remaps by path.
@@ -121,12 +122,10 @@ def test_merge_parts_of_two_processes(saved):
         remapped = tuple(
             dataclasses.replace(p, root=roots.index(whole.roots[p.root])) for p in pieces
         )
-        part = _manifest.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
-        _manifest.replace_bytes(
-            _manifest.part_path(item, process), _manifest.encode_part(part), fsync=True
-        )
+        part = _records.Manifest(whole.version, whole.checksum, roots, whole.leaves, remapped)
+        _parts.write_part(item, process, _codec.encode_part(part))
     handler.finalize(item)
-    assert not list(item.glob(f"{_manifest.PART_PREFIX}*"))
+    assert not list(item.glob(f"{_parts.PART_PREFIX}*"))
     merged = cj.storage.read_manifest(item)
     key = lambda m: sorted((m.roots[p.root], p.file, p.start, p.offset) for p in m.pieces)
     assert key(merged) == key(whole)
@@ -139,11 +138,11 @@ def test_merge_parts_of_two_processes(saved):
 def test_merge_refuses_incomplete_coverage(saved):
     handler, item = saved
     whole = cj.storage.read_manifest(item)
-    (item / cj.storage.MANIFEST_NAME).unlink()
-    part = _manifest.Manifest(
+    (item / MANIFEST_NAME).unlink()
+    part = _records.Manifest(
         whole.version, whole.checksum, whole.roots, whole.leaves, whole.pieces[1:]
     )
-    _manifest.replace_bytes(_manifest.part_path(item, 0), _manifest.encode_part(part), fsync=True)
+    _parts.write_part(item, 0, _codec.encode_part(part))
     with pytest.raises(cj.storage.CheckpointFormatError, match="cover"):
         handler.finalize(item)
 
@@ -151,15 +150,15 @@ def test_merge_refuses_incomplete_coverage(saved):
 def test_merge_without_part_or_manifest_raises(saved):
     """No part and no manifest: no process wrote one, so finalize must fail, not commit."""
     handler, item = saved
-    (item / cj.storage.MANIFEST_NAME).unlink()
+    (item / MANIFEST_NAME).unlink()
     with pytest.raises(cj.storage.CheckpointFormatError, match="no manifest part"):
         handler.finalize(item)
 
 
 def test_manifest_json_is_plain_and_versioned(saved):
     _, item = saved
-    data = json.loads((item / cj.storage.MANIFEST_NAME).read_text())
-    assert data["format"] == _manifest.FORMAT and data["version"] == _manifest.VERSION
+    data = json.loads((item / MANIFEST_NAME).read_text())
+    assert data["format"] == _records.FORMAT and data["version"] == _records.VERSION
     assert data["checksum"] == "xxh3_64"
     assert {leaf["path"] for leaf in data["leaves"]} == {
         "['big']", "['small']['a']", "['small']['b']"

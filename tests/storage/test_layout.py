@@ -1,4 +1,4 @@
-"""Striping plan: every byte is planned exactly once, roots are balanced, small leaves packed."""
+"""Striping layout: every byte is planned exactly once, roots are balanced, small leaves packed."""
 
 import math
 
@@ -23,7 +23,7 @@ def _covered(pieces):
 
 def test_large_array_is_split_over_all_roots():
     chunk = _layout.Chunk(0, (0, 0), (64, 1024), F32)  # 256 KiB
-    pieces = _layout.plan([chunk], 4, piece_bytes=1 << 20, small_bytes=1 << 10)
+    pieces = _layout.lay_out([chunk], 4, piece_bytes=1 << 20, small_bytes=1 << 10)
     assert sorted(p.root for p in pieces) == [0, 1, 2, 3]
     assert all(p.nbytes == chunk.nbytes // 4 for p in pieces)
     assert _covered(pieces) == {0: 64 * 1024}
@@ -31,7 +31,7 @@ def test_large_array_is_split_over_all_roots():
 
 def test_split_uses_largest_axis_when_axis0_is_short():
     chunk = _layout.Chunk(0, (0, 0), (2, 4096), F32)
-    pieces = _layout.plan([chunk], 4, piece_bytes=8192, small_bytes=16)
+    pieces = _layout.lay_out([chunk], 4, piece_bytes=8192, small_bytes=16)
     assert len(pieces) == 4
     assert {p.members[0][1][0] for p in pieces} == {0}  # every piece spans all rows
     assert [p.shape for p in pieces] == [(2, 1024)] * 4
@@ -40,7 +40,7 @@ def test_split_uses_largest_axis_when_axis0_is_short():
 def test_small_leaves_are_packed_per_dtype():
     chunks = [_layout.Chunk(i, (0,), (10,), F32) for i in range(100)]
     chunks.append(_layout.Chunk(100, (0,), (3,), np.dtype("int32")))
-    pieces = _layout.plan(chunks, 1, piece_bytes=1 << 20, small_bytes=1 << 10)
+    pieces = _layout.lay_out(chunks, 1, piece_bytes=1 << 20, small_bytes=1 << 10)
     assert len(pieces) == 2
     by_dtype = {p.dtype.name: p for p in pieces}
     assert by_dtype["float32"].shape == (1000,)
@@ -57,7 +57,7 @@ def test_small_leaves_are_packed_per_dtype():
 def test_plan_covers_everything_once_and_balances(sizes, num_roots, piece_kib):
     chunks = [_layout.Chunk(i, (0,), (n,), F32) for i, n in enumerate(sizes)]
     piece_bytes = piece_kib << 10
-    pieces = _layout.plan(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=512)
+    pieces = _layout.lay_out(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=512)
     assert _covered(pieces) == dict(enumerate(sizes))
     assert len({p.name for p in pieces}) == len(pieces)
     loads = [0] * num_roots

@@ -10,6 +10,7 @@ import pytest
 
 import cocijax as cj
 from cocijax import storage
+from cocijax.storage._stripes import find_stripe_dirs, referenced_stripe_dirs
 
 
 def _tree():
@@ -53,15 +54,15 @@ def test_stripes_on_s3_are_collected_moved_and_verified(s3, tmp_path):
     with ocp.Checkpointer(handler) as ckptr:
         ckptr.save(tmp_path / "a", args=cj.StripedSave({"w": np.arange(65536.0)}))
         ckptr.save(tmp_path / "b", args=cj.StripedSave({"w": np.arange(65536.0) + 1}))
-    stripes = storage.find_stripe_dirs(root, root_options=s3.options)
+    stripes = find_stripe_dirs(root, root_options=s3.options)
     assert len(stripes) == 2 and all(str(d).startswith(root + "/cocijax-stripe-") for d in stripes)
     # A deleted item's stripe is garbage; the other item's is not.
     shutil.rmtree(tmp_path / "b")
     garbage = storage.unreferenced_stripe_dirs([root], [tmp_path / "a"], root_options=s3.options)
-    assert garbage == sorted(set(stripes) - storage.referenced_stripe_dirs(tmp_path / "a"))
+    assert garbage == sorted(set(stripes) - referenced_stripe_dirs(tmp_path / "a"))
     storage.remove_tree(garbage[0], root_options=s3.options)
-    assert storage.find_stripe_dirs(root, root_options=s3.options) == sorted(
-        storage.referenced_stripe_dirs(tmp_path / "a")
+    assert find_stripe_dirs(root, root_options=s3.options) == sorted(
+        referenced_stripe_dirs(tmp_path / "a")
     )
     # Stripes copied to another prefix restore with roots=; a damaged object is named.
     for key in s3.keys("ck/r0/"):
@@ -90,8 +91,8 @@ def test_a_manager_with_roots_on_s3_collects_their_stripes(s3, tmp_path):
         for step in (1, 2, 3):
             mngr.save(step, {"w": np.full(1 << 14, step, np.float32)}, loss=1.0)
             mngr.wait_until_finished()
-        referenced = storage.referenced_stripe_dirs(mngr.item_directory(3))
-        assert set(storage.find_stripe_dirs(mngr.stripe_roots[0])) == referenced
+        referenced = referenced_stripe_dirs(mngr.item_directory(3))
+        assert set(find_stripe_dirs(mngr.stripe_roots[0])) == referenced
         np.testing.assert_array_equal(mngr.restore()["w"], np.full(1 << 14, 3, np.float32))
     # Everything left on S3 is step 3's.
     assert {k.split("/")[2] for k in s3.keys("roots/")} == {d.name for d in referenced}
@@ -139,11 +140,11 @@ def test_striped_save_to_gcs_restores_verifies_and_collects(gcs, tmp_path):
     np.testing.assert_array_equal(back["b"], tree["b"])
     assert root in storage.read_manifest(tmp_path / "a").roots
     assert storage.verify(tmp_path / "a") == []
-    stripes = storage.find_stripe_dirs(root)
+    stripes = find_stripe_dirs(root)
     assert len(stripes) == 2 and all(str(d).startswith(root + "/cocijax-stripe-") for d in stripes)
     shutil.rmtree(tmp_path / "b")
     (garbage,) = storage.unreferenced_stripe_dirs([root], [tmp_path / "a"])
     storage.remove_tree(garbage)
     # Only b's stripe is gone: a's pieces (its neighbour under the same root) still verify.
-    assert storage.find_stripe_dirs(root) == sorted(set(stripes) - {garbage})
+    assert find_stripe_dirs(root) == sorted(set(stripes) - {garbage})
     assert storage.verify(tmp_path / "a") == []

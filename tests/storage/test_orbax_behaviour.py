@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 import cocijax as cj
+from cocijax.storage._records import MANIFEST_NAME
 
 # Orbax warns when its own handler restores without shardings; that is what is compared here.
 pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
@@ -151,7 +152,7 @@ def test_a_manifest_without_shardings_still_restores(tmp_path):
     """Manifests written before the sharding field existed: jax leaves on the default device."""
     tree = _placed_tree()
     _, striped_dir = _save_both(tmp_path, tree)
-    manifest = striped_dir / cj.storage.MANIFEST_NAME
+    manifest = striped_dir / MANIFEST_NAME
     data = json.loads(manifest.read_text())
     assert any("sharding" in leaf for leaf in data["leaves"])
     for leaf in data["leaves"]:
@@ -372,7 +373,7 @@ def test_empty_nodes_without_target_come_back_as_orbax_gives_them(tmp_path):
 def test_a_manifest_without_field_less_dataclasses_still_restores_into_them(tmp_path):
     """Before empty dataclasses were recorded they had no leaf; such manifests still restore."""
     _, striped_dir = _save_both(tmp_path, {"a": np.ones(2), "z": EmptyChex()})
-    manifest = striped_dir / cj.storage.MANIFEST_NAME
+    manifest = striped_dir / MANIFEST_NAME
     data = json.loads(manifest.read_text())
     assert data["leaves"][-1]["path"] == "['z']"
     data["leaves"].pop()  # what the previous version wrote (without a digest)

@@ -20,7 +20,8 @@ from orbax.checkpoint._src.path import atomicity
 from storage_helpers import assert_tree_equal
 
 import cocijax as cj
-from cocijax.storage import _manifest
+from cocijax.storage import _manifest_io
+from cocijax.storage._stripes import find_stripe_dirs, referenced_stripe_dirs
 
 ASYNC = pytest.mark.parametrize("enable_async", [False, True], ids=["sync", "async"])
 
@@ -138,7 +139,7 @@ def test_a_failing_background_write_surfaces_at_wait_and_the_next_save_commits(
             def broken(path):
                 raise OSError(f"injected failure syncing {path}")
 
-            m.setattr(_manifest, "fsync_dir", broken)
+            m.setattr(_manifest_io, "fsync_dir", broken)
             assert _save(mngr, 0)  # returns: the failure happens in the background
             with pytest.raises(OSError, match="injected failure"):
                 mngr.wait_until_finished()
@@ -155,8 +156,9 @@ def test_deleted_steps_and_their_stripes(tmp_path):
 
     With ``roots=()`` the data lives in the item directory and goes with it. With external
     roots, a plain ``ocp.CheckpointManager`` leaves the deleted step's stripe directories on the
-    roots: ``cj.CheckpointManager`` collects them, or ``cj.storage.referenced_stripe_dirs`` and
-    ``find_stripe_dirs`` tell which are unreferenced.
+    roots: ``cj.CheckpointManager`` collects them; with Orbax's manager,
+    ``cj.storage.unreferenced_stripe_dirs`` tells which are garbage and ``remove_tree`` removes
+    them.
     """
     with _manager(tmp_path / "inside", (), False, max_to_keep=1) as mngr:
         _save(mngr, 0)
@@ -169,9 +171,16 @@ def test_deleted_steps_and_their_stripes(tmp_path):
         _save(mngr, 1)
         mngr.delete(1)
         _save(mngr, 2)
-        kept = cj.storage.referenced_stripe_dirs(tmp_path / "outside" / "2" / "state")
-    on_root = set(cj.storage.find_stripe_dirs(root))
-    assert kept < on_root and len(on_root - kept) == 2
+        kept = referenced_stripe_dirs(tmp_path / "outside" / "2" / "state")
+        items = [mngr.directory / str(step) / "state" for step in mngr.all_steps()]
+        on_root = set(find_stripe_dirs(root))
+        assert kept < on_root and len(on_root - kept) == 2
+        garbage = cj.storage.unreferenced_stripe_dirs([root], items)
+        assert set(garbage) == on_root - kept
+        for stripe in garbage:
+            cj.storage.remove_tree(stripe)
+        assert set(find_stripe_dirs(root)) == kept
+        assert_tree_equal(_state(2), mngr.restore(2).state)
 
 
 def test_flax_train_state_through_the_manager(tmp_path):

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from storage_helpers import assert_tree_equal
 
 import cocijax as cj
+from cocijax.storage._stripes import find_stripe_dirs, referenced_stripe_dirs
 
 
 def _abstract(tree):
@@ -127,8 +128,8 @@ def test_optax_and_flax_train_state_round_trip(tmp_path):
     assert isinstance(from_eval_shape.step, jax.Array) and int(from_eval_shape.step) == 1
     assert_tree_equal(state.params, from_eval_shape.params)
     # Everything lives in the item directory; no external stripe directories referenced.
-    assert cj.storage.referenced_stripe_dirs(tmp_path / "ckpt") == set()
-    assert len(cj.storage.find_stripe_dirs(tmp_path / "ckpt")) == 1
+    assert referenced_stripe_dirs(tmp_path / "ckpt") == set()
+    assert len(find_stripe_dirs(tmp_path / "ckpt")) == 1
 
 
 def test_checkpoint_manager_with_handler_registry(tmp_path, roots):
@@ -149,8 +150,8 @@ def test_checkpoint_manager_with_handler_registry(tmp_path, roots):
     assert got["state"]["step"] == 2
     item = tmp_path / "run" / "2" / "state"
     assert cj.storage.verify(item) == []
-    on_roots = {d for r in roots for d in cj.storage.find_stripe_dirs(r)}
-    assert cj.storage.referenced_stripe_dirs(item) <= on_roots
+    on_roots = {d for r in roots for d in find_stripe_dirs(r)}
+    assert referenced_stripe_dirs(item) <= on_roots
 
 
 def test_sharded_save_on_8_restores_on_4_and_1(tmp_path, roots):
@@ -212,9 +213,9 @@ def test_two_saves_never_share_a_file(tmp_path, roots):
         m = cj.storage.read_manifest(tmp_path / name)
         files.append({m.piece_path(p, tmp_path / name) for p in m.pieces})
     assert files[0] and files[1] and not files[0] & files[1]
-    dirs = [cj.storage.referenced_stripe_dirs(tmp_path / n) for n in ("one", "two")]
+    dirs = [referenced_stripe_dirs(tmp_path / n) for n in ("one", "two")]
     assert not dirs[0] & dirs[1]
-    assert {d for r in roots for d in cj.storage.find_stripe_dirs(r)} == dirs[0] | dirs[1]
+    assert {d for r in roots for d in find_stripe_dirs(r)} == dirs[0] | dirs[1]
 
 
 def test_checksums_off_still_round_trips(tmp_path):
@@ -329,12 +330,12 @@ def test_a_save_of_the_same_structure_reuses_its_plan_with_this_saves_values(tmp
     handler = cj.StripedCheckpointHandler(roots)
     with ocp.AsyncCheckpointer(handler) as ckptr:
         ckptr.save(tmp_path / "1", args=cj.StripedSave(tree(1)))
-        plan = handler._last_plan
+        plan = handler._last_layout
         ckptr.save(tmp_path / "2", args=cj.StripedSave(tree(2)))
-        assert handler._last_plan is plan  # same structure: described and planned once
+        assert handler._last_layout is plan  # same structure: described and planned once
         # Same shapes, another sharding: a new plan, and the manifest records the new one.
         ckptr.save(tmp_path / "3", args=cj.StripedSave(tree(3, cols)))
-        assert handler._last_plan is not plan
+        assert handler._last_layout is not plan
         ckptr.wait_until_finished()
         for step, spec in ((1, rows), (2, rows), (3, cols)):
             got = ckptr.restore(tmp_path / str(step), args=cj.StripedRestore())

@@ -1,0 +1,45 @@
+"""Every use cocijax makes of Orbax's private details, in one place.
+
+Orbax's public API (``orbax.checkpoint`` and its ``args``, ``metadata``, ``future``, ``path``
+modules) does not name everything a handler and a manager need. What cocijax takes from beyond
+it is here, each with the Orbax version it was checked against and why it is needed, so that an
+Orbax upgrade is checked in this one file; ``pyproject.toml`` pins orbax-checkpoint to that minor
+version. Code elsewhere imports these names from here, never ``orbax.checkpoint._src``.
+
+Example:
+  >>> tree = build_tree_metadata({"w": 1}, custom_metadata={"run": "a"})
+  >>> isinstance(tree, TreeMetadata), tree.custom_metadata
+  (True, {'run': 'a'})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Checked against orbax-checkpoint 0.12.8. A handler's ``metadata()`` must return Orbax's tree
+# metadata: ``CheckpointManager.item_metadata(step)`` and ``metadata(step).item_metadata.tree``
+# read the tree from it, and a restore may be given it back as its target (the striped
+# handler's restore recognises it by this class). Orbax 0.12 exports neither the class
+# (``orbax.checkpoint.metadata.tree`` names only ``ValueMetadataEntry``) nor its builder.
+from orbax.checkpoint._src.metadata import tree as _tree_metadata
+
+__all__ = ["TreeMetadata", "build_tree_metadata"]
+
+TreeMetadata = _tree_metadata.TreeMetadata
+"""Orbax's tree metadata (a Protocol): what ``StandardCheckpointHandler.metadata`` returns."""
+
+
+def build_tree_metadata(tree: Any, *, custom_metadata: Any = None) -> TreeMetadata:
+    """Orbax's tree metadata of ``tree`` (leaves: Orbax's value metadata), as its handlers build it.
+
+    Args:
+      tree: the saved tree with ``ocp.metadata`` value metadata (``ArrayMetadata``,
+        ``ScalarMetadata``, ``StringMetadata``) in place of its values.
+      custom_metadata: the JSON value saved with the tree, or None.
+
+    Returns:
+      A ``TreeMetadata`` whose ``tree`` is ``tree`` and whose ``custom_metadata`` is
+      ``custom_metadata`` (checked against orbax-checkpoint 0.12.8:
+      ``build_default_tree_metadata``).
+    """
+    return _tree_metadata.build_default_tree_metadata(tree, custom_metadata=custom_metadata)

@@ -1,0 +1,219 @@
+"""The manifest's JSON: encoded, decoded and checked, and the digest a JSON document carries.
+
+A manifest file is its records (``_records``) as compact JSON, with the format's name and
+version; decoding checks the schema (``_schema``) and the digest before a manifest is returned,
+so that a damaged file is a :class:`CheckpointFormatError` naming what is wrong.
+
+A checksum over each piece of data catches damaged data, but not a damaged manifest: a flipped
+digit in an inline value, a dtype or a region still parses and would restore a wrong tree. So
+the documents cocijax writes carry a digest of their own content under :data:`DIGEST_KEY`, and a
+reader checks it when it is there (documents written before it existed have none and still
+read). The digest is xxh3_64 of the canonical JSON text (sorted keys, no spaces), which a JSON
+round trip preserves exactly. The manager's policy item carries one too.
+
+Examples:
+  >>> doc = with_digest({"step": 3, "w": [1.5, None]})
+  >>> check_digest(doc)
+  True
+  >>> doc["step"] = 7
+  >>> check_digest(doc)
+  False
+  >>> check_digest({"step": 3})  # written before digests: nothing to check
+  True
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import xxhash
+
+from cocijax.storage import _schema
+from cocijax.storage._kvpath import KvPath
+from cocijax.storage._records import (
+    FORMAT,
+    VERSION,
+    CheckpointFormatError,
+    LeafRecord,
+    Manifest,
+    PieceRecord,
+)
+
+DIGEST_KEY = "digest"
+
+
+def _digest(data: dict[str, Any]) -> int:
+    text = json.dumps(
+        {k: v for k, v in data.items() if k != DIGEST_KEY}, sort_keys=True, separators=(",", ":")
+    )
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
+def with_digest(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the digest of the rest of it under :data:`DIGEST_KEY`.
+
+    Args:
+      data: a JSON-serialisable object (a digest already in it is replaced).
+
+    Returns:
+      A new dict: ``data`` and its digest, an unsigned 64-bit integer.
+
+    Raises:
+      TypeError: ``data`` is not JSON-serialisable.
+    """
+    return {**data, DIGEST_KEY: _digest(data)}
+
+
+def check_digest(data: dict[str, Any]) -> bool:
+    """Whether ``data``'s digest matches its content.
+
+    Args:
+      data: a decoded JSON object, as :func:`with_digest` made it or as written before digests.
+
+    Returns:
+      True when the digest matches or there is none (a document of an older writer); False when
+      it does not match, is not an integer, or the content cannot be written back as JSON
+      (a 4300-digit integer, nesting too deep).
+    """
+    if DIGEST_KEY not in data:
+        return True
+    try:
+        return type(data[DIGEST_KEY]) is int and data[DIGEST_KEY] == _digest(data)
+    except (TypeError, ValueError, RecursionError):  # content JSON cannot write back
+        return False
+
+
+def _to_json(manifest: Manifest) -> dict[str, Any]:
+    data = {
+        "format": FORMAT,
+        "version": manifest.version,
+        "checksum": manifest.checksum,
+        "roots": list(manifest.roots),
+        "leaves": [_leaf_json(leaf) for leaf in manifest.leaves],
+        "pieces": [
+            {
+                "leaf": p.leaf,
+                "root": p.root,
+                "file": p.file,
+                "start": list(p.start),
+                "stop": list(p.stop),
+                "offset": p.offset,
+                "checksum": p.checksum,
+                "process": p.process,
+            }
+            for p in manifest.pieces
+        ],
+    }
+    if manifest.custom_metadata is not None:
+        data["custom_metadata"] = manifest.custom_metadata
+    return with_digest(data)
+
+
+def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
+    data = {
+        "path": leaf.path,
+        "keys": [list(k) for k in leaf.keys],
+        "kind": leaf.kind,
+        "dtype": leaf.dtype,
+        "shape": list(leaf.shape),
+        "value": leaf.value,
+    }
+    # Written only when set, so a manifest without them reads the same in any version.
+    if leaf.sharding is not None:
+        data["sharding"] = leaf.sharding
+    if leaf.key_impl is not None:
+        data["key_impl"] = leaf.key_impl
+    return data
+
+
+def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointFormatError(
+            f"{source} is not a cocijax manifest: expected a JSON object with format={FORMAT!r}."
+        )
+    if data.get("version") != VERSION:
+        raise CheckpointFormatError(
+            f"{source} has format version {data.get('version')!r}; this cocijax reads "
+            f"version {VERSION}."
+        )
+    try:
+        leaves = tuple(
+            LeafRecord(
+                path=d["path"],
+                keys=tuple((k[0], k[1]) for k in d["keys"]),
+                kind=d["kind"],
+                dtype=d["dtype"],
+                shape=tuple(d["shape"]),
+                value=d.get("value"),
+                # Optional fields: manifests written before they existed lack them.
+                sharding=d.get("sharding"),
+                key_impl=d.get("key_impl"),
+            )
+            for d in data["leaves"]
+        )
+        pieces = tuple(
+            PieceRecord(
+                leaf=d["leaf"],
+                root=d["root"],
+                file=d["file"],
+                start=tuple(d["start"]),
+                stop=tuple(d["stop"]),
+                offset=d.get("offset"),
+                checksum=d.get("checksum"),
+                process=d.get("process", 0),
+            )
+            for d in data["pieces"]
+        )
+        manifest = Manifest(
+            version=data["version"],
+            checksum=data["checksum"],
+            roots=tuple(data["roots"]),
+            leaves=leaves,
+            pieces=pieces,
+            custom_metadata=data.get("custom_metadata"),
+        )
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+        raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
+    _schema.check_manifest(manifest, source)
+    if not check_digest(data):
+        raise CheckpointFormatError(
+            f"{source} does not match its digest: it was changed after it was written."
+        )
+    return manifest
+
+
+def decode_manifest(raw: bytes, source: str) -> Manifest:
+    """The manifest (or part) in the file bytes ``raw``, read from ``source``, checked.
+
+    Raises:
+      CheckpointFormatError: ``raw`` is not a cocijax manifest of this version, breaks the
+        schema or does not match its digest (names ``source``).
+    """
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{source} is not valid JSON: {e}.") from None
+    except (RecursionError, ValueError) as e:  # nesting too deep; an integer of 4300+ digits
+        raise CheckpointFormatError(f"{source} cannot be a cocijax manifest: {e}.") from None
+    return _from_json(data, source=source)
+
+
+def _json_bytes(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> bytes:
+    """The file of ``manifest`` (for :func:`write_manifest_bytes`), checked to cover every leaf.
+
+    Raises:
+      CheckpointFormatError: some leaf is not fully covered by the pieces.
+    """
+    _schema.check_coverage(manifest, item_dir)
+    return _json_bytes(_to_json(manifest))
+
+
+def encode_part(part: Manifest) -> bytes:
+    """The file of one process's ``part``; :func:`merge_parts` checks the coverage of all."""
+    return _json_bytes(_to_json(part))
