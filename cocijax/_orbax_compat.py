@@ -23,7 +23,7 @@ from typing import Any
 # (``orbax.checkpoint.metadata.tree`` names only ``ValueMetadataEntry``) nor its builder.
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
 
-__all__ = ["TreeMetadata", "build_tree_metadata"]
+__all__ = ["TreeMetadata", "build_tree_metadata", "manager_checkpointer"]
 
 TreeMetadata = _tree_metadata.TreeMetadata
 """Orbax's tree metadata (a Protocol): what ``StandardCheckpointHandler.metadata`` returns."""
@@ -43,3 +43,14 @@ def build_tree_metadata(tree: Any, *, custom_metadata: Any = None) -> TreeMetada
       ``build_default_tree_metadata``).
     """
     return _tree_metadata.build_default_tree_metadata(tree, custom_metadata=custom_metadata)
+
+
+def manager_checkpointer(manager: Any) -> Any:
+    """The ``AsyncCheckpointer`` an ``ocp.CheckpointManager`` saves with, or None.
+
+    Checked against orbax-checkpoint 0.12.8 (the private attribute ``_checkpointer``). When
+    Orbax's finalisation fails first, this checkpointer may still be writing, and its error
+    would be raised later by an unrelated call; the manager waits for it too (``_faults.wait``).
+    Orbax 0.12 has no public name for it.
+    """
+    return getattr(manager, "_checkpointer", None)

@@ -26,6 +26,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from cocijax._orbax_compat import manager_checkpointer
 from cocijax.core._session import run_all
 from cocijax.manager._directory import STEP_RE, is_committed
 
@@ -72,7 +73,7 @@ def wait(orbax: ocp.CheckpointManager, where: Path, inside: Sequence[Path]) -> N
     # When Orbax's finalisation fails first, its AsyncCheckpointer may still be writing, and
     # its error would be raised by a later restore: wait for it too. Orbax 0.12 has no public
     # name for the manager's checkpointer.
-    checkpointer = getattr(orbax, "_checkpointer", None)
+    checkpointer = manager_checkpointer(orbax)
     calls = [orbax.wait_until_finished, orbax.check_for_errors]
     if hasattr(checkpointer, "wait_until_finished"):
         calls.append(checkpointer.wait_until_finished)

@@ -20,7 +20,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from cocijax.storage._codec import DIGEST_KEY, check_digest, with_digest
+from cocijax._digest import DIGEST_KEY, check_digest, with_digest
 
 __all__ = ["PolicyStateHandler", "PolicyStateRestore", "PolicyStateSave"]
 

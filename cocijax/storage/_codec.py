@@ -5,21 +5,8 @@ version; decoding checks the schema (``_schema``) and the digest before a manife
 so that a damaged file is a :class:`CheckpointFormatError` naming what is wrong.
 
 A checksum over each piece of data catches damaged data, but not a damaged manifest: a flipped
-digit in an inline value, a dtype or a region still parses and would restore a wrong tree. So
-the documents cocijax writes carry a digest of their own content under :data:`DIGEST_KEY`, and a
-reader checks it when it is there (documents written before it existed have none and still
-read). The digest is xxh3_64 of the canonical JSON text (sorted keys, no spaces), which a JSON
-round trip preserves exactly. The manager's policy item carries one too.
-
-Examples:
-  >>> doc = with_digest({"step": 3, "w": [1.5, None]})
-  >>> check_digest(doc)
-  True
-  >>> doc["step"] = 7
-  >>> check_digest(doc)
-  False
-  >>> check_digest({"step": 3})  # written before digests: nothing to check
-  True
+digit in an inline value, a dtype or a region still parses and would restore a wrong tree. So a
+manifest carries a digest of its own content (:mod:`cocijax._digest`), checked when it is read.
 """
 
 from __future__ import annotations
@@ -28,8 +15,7 @@ import json
 import pathlib
 from typing import Any
 
-import xxhash
-
+from cocijax._digest import check_digest, with_digest
 from cocijax.storage import _schema
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
@@ -40,49 +26,6 @@ from cocijax.storage._records import (
     Manifest,
     PieceRecord,
 )
-
-DIGEST_KEY = "digest"
-
-
-def _digest(data: dict[str, Any]) -> int:
-    text = json.dumps(
-        {k: v for k, v in data.items() if k != DIGEST_KEY}, sort_keys=True, separators=(",", ":")
-    )
-    return xxhash.xxh3_64_intdigest(text.encode())
-
-
-def with_digest(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with the digest of the rest of it under :data:`DIGEST_KEY`.
-
-    Args:
-      data: a JSON-serialisable object (a digest already in it is replaced).
-
-    Returns:
-      A new dict: ``data`` and its digest, an unsigned 64-bit integer.
-
-    Raises:
-      TypeError: ``data`` is not JSON-serialisable.
-    """
-    return {**data, DIGEST_KEY: _digest(data)}
-
-
-def check_digest(data: dict[str, Any]) -> bool:
-    """Whether ``data``'s digest matches its content.
-
-    Args:
-      data: a decoded JSON object, as :func:`with_digest` made it or as written before digests.
-
-    Returns:
-      True when the digest matches or there is none (a document of an older writer); False when
-      it does not match, is not an integer, or the content cannot be written back as JSON
-      (a 4300-digit integer, nesting too deep).
-    """
-    if DIGEST_KEY not in data:
-        return True
-    try:
-        return type(data[DIGEST_KEY]) is int and data[DIGEST_KEY] == _digest(data)
-    except (TypeError, ValueError, RecursionError):  # content JSON cannot write back
-        return False
 
 
 def _to_json(manifest: Manifest) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from cocijax import policies as _policies
+from cocijax._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
@@ -51,7 +52,6 @@ from cocijax.core._lock import DirectoryLock
 from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import restore_order, run_all
-from cocijax.storage import DIGEST_KEY, check_digest, with_digest
 from cocijax.torch._directory import (
     METADATA_NAME,
     TMP_PREFIX,

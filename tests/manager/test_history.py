@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cocijax as cj
+from cocijax._digest import DIGEST_KEY, with_digest
 from cocijax.core._history import (
     MARKER,
     MAX_FAILURES,
@@ -19,7 +20,6 @@ from cocijax.core._history import (
     RunHistory,
     process_age_s,
 )
-from cocijax.storage import DIGEST_KEY, with_digest
 
 
 class Clock:
