@@ -25,7 +25,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from cocijax import storage
-from cocijax.core._contract import check_extra_names
 from cocijax.manager._durable import DurableRenameTemporaryPath
 from cocijax.manager._orbax_steps import OrbaxStep, find_orbax_step
 
@@ -38,7 +37,6 @@ __all__ = [
     "TRASH_DIR",
     "CommittedStepFormat",
     "Layout",
-    "check_extra",
     "check_layout",
     "checked_once",
     "is_committed",
@@ -402,56 +400,3 @@ def split_best(
         )
     options = dataclasses.replace(options, best_fn=None, max_to_keep=None, keep_period=None)
     return options, (best_fn, best_mode)
-
-
-def check_extra(extra: Any, *, restoring: bool) -> dict[str, ocp.args.CheckpointArgs]:
-    """Checks the ``extra`` items of a ``save`` or ``restore`` call, before anything is written.
-
-    Args:
-      extra: ``None`` or a mapping from item names to Orbax ``CheckpointArgs`` whose type
-        Orbax's global handler registry knows (``ocp.args.JsonSave``, ``StandardSave``,
-        ``PyTreeSave``, ``grain.checkpoint.CheckpointSave``, ...).
-      restoring: the args are restore args (``JsonRestore``, ...), not save args.
-
-    Returns:
-      The items as a new dict (empty for ``None``).
-
-    Raises:
-      TypeError: ``extra`` is not a mapping, a name is not a string, or an item's args type is
-        not registered with a handler or goes the wrong way (the message names the key).
-      ValueError: a name is reserved (``state``, ``policy``, ``metrics``) or cannot be a
-        directory name.
-    """
-    verb = "restore" if restoring else "save"
-    example = f"Orbax CheckpointArgs (e.g. {{'config': ocp.args.Json{verb.title()}(...)}})"
-    extra = check_extra_names(extra, reserved=RESERVED_ITEMS, expected=example)
-    items = {}
-    for name, args in extra.items():
-        if not name or name.startswith(".") or "/" in name or TMP_MARK in name:
-            raise ValueError(
-                f"extra[{name!r}]: an item name becomes a directory inside the step: it must "
-                "be non-empty, without '/' and not start with '.'."
-            )
-        try:
-            handler = ocp.args.get_registered_handler_cls(args)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"extra[{name!r}]: {type(args).__name__} is not an Orbax CheckpointArgs type "
-                f"that Orbax's handler registry knows; pass e.g. ocp.args.Json{verb.title()}, "
-                f"ocp.args.Standard{verb.title()} or grain.checkpoint.Checkpoint"
-                f"{verb.title()}, or register your type with ocp.args.register_with_handler."
-            ) from None
-        try:
-            wanted, other = ocp.args.get_registered_args_cls(handler)
-        except ValueError:  # a handler registered for one direction only: nothing to compare
-            wanted = other = type(args)
-        if restoring:
-            wanted, other = other, wanted
-        if isinstance(args, other) and not isinstance(args, wanted):
-            raise TypeError(
-                f"extra[{name!r}]: {type(args).__name__} is an args type for "
-                f"{'saving' if restoring else 'restoring'}; {verb} takes "
-                f"{wanted.__name__} for this handler."
-            )
-        items[name] = args
-    return items

@@ -31,19 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, final
 
-import numpy as np
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-
 from cocijax import policies as _policies
-from cocijax._digest import DIGEST_KEY, check_digest, with_digest
 from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
     FromDriver,
     ManagerClosedError,
-    check_step,
     check_step_order,
 )
 from cocijax.core._driver import manager_driver
@@ -51,27 +44,19 @@ from cocijax.core._history import RunHistory, failed_exit, process_age_s
 from cocijax.core._lock import DirectoryLock
 from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
-from cocijax.core._session import restore_order, run_all
+from cocijax.core._session import run_all
+from cocijax.torch import _restoring, _saving
 from cocijax.torch._directory import (
-    METADATA_NAME,
-    TMP_PREFIX,
-    commit,
     read_metadata,
-    remove,
     remove_uncommitted,
     scan_steps,
 )
 from cocijax.torch._ranks import Ranks
 from cocijax.torch._state import (
     RESERVED,
-    check_extra,
-    from_state_dict,
-    load_extra,
-    loaded_rng,
-    own_entry,
-    rank_template,
-    set_rng_state,
-    to_state_dict,
+    as_float,
+    as_step,
+    tree_nbytes,
 )
 
 __all__ = ["CheckpointManager"]
@@ -110,35 +95,19 @@ class CheckpointManager:
     ``torch`` (and CUDA when present), ``numpy`` and Python's ``random``, restored by
     ``restore``; the key ``"cocijax"`` of ``state`` is reserved for them.
 
-    Step time is measured between ``save`` calls; checkpoint cost is the time ``save`` blocks
-    (host copy, plus waiting for the previous save when it is still being written). Both feed
-    the policy, with the loss, on every call, taken robustly as the JAX manager takes them (the
-    median of the last three), and step 2 of a fresh job is saved to measure the cost at once
-    (not with ``fixed``; see ``cocijax.core._driver``). A policy that knows the job's
-    ``total_steps`` saves the last step, so a finished job keeps its final state; otherwise pass
-    ``force=True`` at the last step.
+    The policy is fed as by the JAX manager (:mod:`cocijax.core`): measured step times and
+    save costs, the loss, the job's learned failure rate; step 2 of a fresh job is saved to
+    measure the cost. A policy that knows ``total_steps`` saves the last step; otherwise pass
+    ``force=True`` there. ``metrics`` are recorded in the step's ``cocijax.json`` and ranked by
+    ``best_fn`` (the ``max_to_keep`` best and the ``keep_latest`` newest steps are kept). A
+    preemption signal makes the next ``save`` save and commit, then ends the job as the signal
+    would have (``exit_on_preemption``); with several ranks, a signal to any one is enough.
 
-    **Best N.** ``metrics`` given to ``save`` are recorded in the step's ``cocijax.json``
-    (rank 0's, with several ranks); with ``best_fn`` the ``max_to_keep`` best steps by them are
-    kept, and the ``keep_latest`` newest whatever their metrics, as in the JAX manager.
-
-    **Preemption.** While the manager is open (in the main thread), ``preemption_signals``
-    (default SIGTERM) are caught; the next :meth:`save` saves its step whatever the policy
-    says and waits until it is committed; then, by default, the signal ends the process as it
-    would have without cocijax (``exit_on_preemption=False``: ``save`` returns True and sets
-    :attr:`reached_preemption`: leave the loop then). With several ranks a signal to any one
-    of them is enough: the ranks gather their flags at the first step and then about once per
-    second of rank 0's step time, and all save at the first such step after the signal. The
-    previous handlers are back after :meth:`close`.
-
-    **Several ranks.** Initialise the process group (``torch.distributed.init_process_group``)
-    before opening the manager; then opening, ``save``, ``restore`` and ``close`` are
-    collective: every rank calls them, with the same steps and the same ``force``. The
-    checkpoint directory must be one every rank sees (a shared file system: DCP's files of all
-    ranks go into one step directory). The policy's inputs are rank 0's (broadcast before each
-    decision), so all ranks save at the same steps; rank 0 alone holds the directory's lock,
-    removes a crashed save's leftovers, commits a step once every rank has written it, and
-    deletes old steps; every rank restores its own shards, RNG states and extra items.
+    **Several ranks.** Initialise the process group before opening the manager; opening,
+    ``save``, ``restore`` and ``close`` are collective (the same steps and ``force`` on every
+    rank), the directory one every rank sees. Rank 0's inputs decide for all; rank 0 alone
+    locks, commits and deletes; every rank restores its own shards, RNG states and extra items.
+    See the docs' "PyTorch" page.
 
     Args:
       directory: where checkpoints live; created if missing.
@@ -240,7 +209,7 @@ class CheckpointManager:
         if latest is None and self._ranks.leader:
             log.info("no checkpoint in %s: starting at step 1", self._dir)
         if latest is not None:
-            self._load_policy_state(latest, self._steps[-1], history=True)
+            _restoring.load_policy_state(self, latest, self._steps[-1], history=True)
         # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
         # a signal to its ranks one after the other (rank 0's broadcast would miss the others).
         watcher = PreemptionWatcher(
@@ -359,109 +328,21 @@ class CheckpointManager:
             holds a non-scalar (naming its key).
         """
         self._check_open()
-        step = _as_step(step)
+        step = as_step(step)
         check_step_order(step, self.latest_step(), self._driver.step, self._dir)
         if RESERVED in state:
             raise ValueError(f"state key {RESERVED!r} is reserved by cocijax.torch")
-        loss = _as_float(loss)
+        loss = as_float(loss)
         if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
-            self._driver.state_size(_nbytes(state))
+            self._driver.state_size(tree_nbytes(state))
         saved = self._driver.decide(step, loss=loss) or force
         preempted = self._preemption.due(step, self._driver.step_time_s)
         if not (saved or preempted):
             return False
-        self._save(step, state, loss, extra, metrics)
+        _saving.save_step(self, step, state, loss, extra, metrics)
         if preempted:
             self._preemption.taken(step, self.wait_until_finished)
         return True
-
-    def _save(
-        self, step: int, state: Mapping[str, Any], loss: float, extra: Any, metrics: Any
-    ) -> None:
-        tmp = self._dir / f"{TMP_PREFIX}{step}-{self._session}"
-        control, writes = self._ranks.control, self._ranks.writes
-
-        def stage() -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
-            objects = check_extra(extra)
-            # Warns with the user's call as its place (save -> _save -> agree -> stage -> here).
-            recorded = self._check_metrics(metrics, step=step, stacklevel=5)
-            own = own_entry(step, self.rank, objects)
-            return {**to_state_dict(state), RESERVED: own}, sorted(objects), recorded
-
-        try:
-            # The stall this save costs the loop: waiting for the previous save plus staging.
-            with self._driver.saving():
-                self._wait_pending()
-                with self._lock:
-                    self._steps.append(step)
-                # One rank's failure here (bad input, a state_dict that raises) stops every
-                # rank before any of them starts DCP's collective write.
-                state_dict, names, recorded = self._ranks.agree(stage, group=control)
-                snapshot = self._driver.snapshot(loss)
-                if self._use_async:
-                    write = dcp.async_save(
-                        state_dict, checkpoint_id=tmp, **self._ranks.dcp_args(writes)
-                    )
-                else:
-                    dcp.save(state_dict, checkpoint_id=tmp, **self._ranks.dcp_args(writes))
-                    write = None
-            meta = {"world_size": self._ranks.world, "extra": names, "metrics": recorded}
-            if write is None:
-                self._commit(step, tmp, meta, snapshot, None)
-            else:
-                self._pending = self._executor.submit(
-                    self._commit, step, tmp, meta, snapshot, write
-                )
-        except BaseException:
-            self._abandon(step, tmp)
-            raise
-
-    def _commit(self, step: int, tmp: Path, meta: dict, snapshot: dict, write: Any) -> None:
-        """Waits for every rank's DCP write, then rank 0 publishes ``tmp`` as ``<step>``."""
-        writes = self._ranks.writes
-        try:
-            if write is not None:
-                self._ranks.agree(lambda: _dcp_result(write, step, tmp), group=writes)
-
-            def publish() -> None:
-                # With a digest, as the JAX manager's policy item: a damaged one is refused.
-                policy = with_digest(self._driver.to_json(snapshot, cost_s=self._driver.cost_s))
-                commit(self._dir, tmp, step, {**meta, "policy": policy})
-
-            self._ranks.lead(publish, group=writes)
-            self._history.recorded()  # the job's failures are on record with this step
-        except BaseException:
-            self._abandon(step, tmp)
-            raise
-        self._retire()
-
-    def _abandon(self, step: int, tmp: Path) -> None:
-        """Forgets a save that failed (on every rank) and removes what it wrote (rank 0)."""
-        with self._lock:
-            if step in self._steps:
-                self._steps.remove(step)
-        if self._ranks.leader:
-            remove(tmp)
-
-    def _retire(self) -> None:
-        """Drops the steps that retention no longer keeps: rank 0 decides and deletes them."""
-        if not self._retention.active:
-            return  # everything is kept: no collective needed
-        doomed = self._ranks.lead(self._doomed, group=self._ranks.writes)
-        with self._lock:
-            self._steps = [s for s in self._steps if s not in doomed]
-        if self._ranks.leader:
-            for s in doomed:
-                remove(self._dir / str(s))
-
-    def _doomed(self) -> list[int]:
-        """Rank 0: the committed steps retention drops (ranked by the metrics in their
-        ``cocijax.json`` with best-N), never the preemption save."""
-        return self._retention.drop(
-            self.all_steps(),
-            lambda s: read_metadata(self._dir, s).get("metrics"),
-            keep={self._preemption.step},
-        )
 
     def _wait_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -502,75 +383,9 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait_until_finished()
-        if target is None:
-            raise ValueError(
-                "target is required: pass the dict given to save, e.g. "
-                "{'model': model, 'optimizer': optimizer}"
-            )
-        objects = check_extra(extra)
-        ((step, _),) = restore_order(
-            step, {"local": self.all_steps()}, fallback=False, where=str(self._dir)
-        )
-        path = self._dir / str(step)
-        control = self._ranks.control
-        meta = self._ranks.lead(lambda: read_metadata(self._dir, step), group=control)
-        same_ranks = self._check_restorable(meta, step, objects)
-        state_dict = to_state_dict(target)
-        state_dict[RESERVED] = rank_template(meta["format"], self.rank, objects, rng=same_ranks)
-        try:
-            dcp.load(state_dict, checkpoint_id=path, **self._ranks.dcp_args(control))
-        except (Exception, CheckpointException) as e:
-            raise ValueError(f"cannot restore step {step} from {path}: {_dcp_message(e)}") from e
-        out = from_state_dict(target, state_dict)
-        rng = loaded_rng(state_dict[RESERVED], self.rank)
-        if rng is not None:
-            set_rng_state(rng)
-        if objects:
-            load_extra(state_dict[RESERVED], self.rank, objects, step)
-        self._load_policy_state(meta, step)
-        self._driver.restart_timing()
-        self._history.restored()
-        return out if extra is None else (out, extra)
-
-    def _check_restorable(self, meta: dict, step: int, objects: Mapping[str, Any]) -> bool:
-        """Whether the step was saved by as many ranks as this job has; raises for extras."""
-        saved_extra = meta.get("extra", [])
-        missing = sorted(set(objects) - set(saved_extra))
-        if missing:
-            raise ValueError(
-                f"restore: step {step} in {self._dir} has no extra item {missing[0]!r} "
-                f"(it has {saved_extra})"
-            )
-        saved_world = int(meta.get("world_size", 1))
-        if saved_world == self._ranks.world:
-            return True
-        if objects:
-            raise ValueError(
-                f"restore: extra items are per rank, and step {step} in {self._dir} was saved "
-                f"by {saved_world} ranks, this job has {self._ranks.world}; restore without "
-                "extra (the state itself reshards)"
-            )
-        warnings.warn(
-            f"step {step} in {self._dir} was saved by {saved_world} ranks, this job has "
-            f"{self._ranks.world}: the state is resharded, the RNG states are not restored",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
+        return _restoring.restore(self, step, target, extra)
 
     # ----------------------------------------------------------------------------- helpers
-    def _load_policy_state(self, meta: dict, step: int, *, history: bool = False) -> None:
-        # A different policy than at save time cannot continue its schedule: said once.
-        where = str(self._dir / str(step) / METADATA_NAME)
-        policy = meta.get("policy")
-        if isinstance(policy, dict):  # its digest checked, then dropped (older ones had none)
-            if not check_digest(policy):
-                reason = f"{where}: the policy state does not match its digest (damaged)"
-                self._driver.start_fresh(reason, stacklevel=3)  # the user's open or restore
-                return
-            policy = {k: v for k, v in policy.items() if k != DIGEST_KEY}
-        self._driver.adopt(policy, where=where, stacklevel=3, history=history)
-
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError(f"CheckpointManager for {self._dir} is closed.")
@@ -606,55 +421,3 @@ class CheckpointManager:
         if failed_exit(exc[1], preempted=self._preemption.reached):
             self._history.failed()  # the next run counts it (a rank died, a Ctrl-C)
         self.close()
-
-
-# --------------------------------------------------------------------------------- helpers
-def _dcp_result(write: concurrent.futures.Future, step: int, tmp: Path) -> None:
-    """Waits for a DCP ``async_save``; its error as an ordinary ``RuntimeError``."""
-    try:
-        write.result()
-    except CheckpointException as e:
-        # DCP's error is a BaseException carrying per-rank tracebacks: make it ordinary.
-        raise RuntimeError(f"saving step {step} to {tmp} failed: {_dcp_message(e)}") from e
-
-
-def _dcp_message(e: BaseException) -> str:
-    """The underlying errors of a DCP ``CheckpointException`` (without its tracebacks)."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(str(exc) for exc, _ in e.failures.values())
-    return str(e)
-
-
-def _as_step(step: Any) -> int:
-    """:func:`check_step`, which also takes a one-element integer tensor."""
-    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
-        step = int(step.item())
-    return check_step(step)
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of the tensors a save of ``value`` writes (once, for the cost prior)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, torch.nn.Module):
-        return sum(map(_nbytes, value.state_dict().values()))
-    if isinstance(value, torch.optim.Optimizer):
-        return sum(_nbytes(v) for per_param in value.state.values() for v in per_param.values())
-    if isinstance(value, Mapping):
-        return sum(map(_nbytes, value.values()))
-    return int(getattr(value, "nbytes", 0) or 0)
-
-
-def _as_float(loss: Any) -> float:
-    if isinstance(loss, bool) or loss is None:
-        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}")
-    if isinstance(loss, torch.Tensor | np.ndarray):
-        if loss.size == 1 if isinstance(loss, np.ndarray) else loss.numel() == 1:
-            return float(loss.item())
-        raise ValueError(
-            f"loss must have one element, got shape {tuple(loss.shape)}; pass the step's mean loss"
-        )
-    try:
-        return float(loss)
-    except (TypeError, ValueError):
-        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}") from None

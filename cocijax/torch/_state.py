@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
-from cocijax.core._contract import check_extra_names
+from cocijax.core._contract import check_extra_names, check_step
 
 __all__ = [
     "RESERVED",
@@ -218,3 +218,38 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((p["version"], tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def as_step(step: Any) -> int:
+    """:func:`check_step`, which also takes a one-element integer tensor."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    return check_step(step)
+
+
+def tree_nbytes(value: Any) -> int:
+    """Bytes of the tensors a save of ``value`` writes (once, for the cost prior)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, torch.nn.Module):
+        return sum(map(tree_nbytes, value.state_dict().values()))
+    if isinstance(value, torch.optim.Optimizer):
+        return sum(tree_nbytes(v) for per_param in value.state.values() for v in per_param.values())
+    if isinstance(value, Mapping):
+        return sum(map(tree_nbytes, value.values()))
+    return int(getattr(value, "nbytes", 0) or 0)
+
+
+def as_float(loss: Any) -> float:
+    if isinstance(loss, bool) or loss is None:
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}")
+    if isinstance(loss, torch.Tensor | np.ndarray):
+        if loss.size == 1 if isinstance(loss, np.ndarray) else loss.numel() == 1:
+            return float(loss.item())
+        raise ValueError(
+            f"loss must have one element, got shape {tuple(loss.shape)}; pass the step's mean loss"
+        )
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        raise TypeError(f"loss must be a number or a one-element tensor, got {loss!r}") from None

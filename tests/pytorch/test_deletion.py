@@ -21,7 +21,8 @@ import torch
 
 import cocijax as cj
 import cocijax.torch as cjt
-from cocijax.torch import _directory, _manager
+from cocijax.torch import _directory
+from cocijax.torch import _saving as _manager  # where retention calls remove()
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
 
@@ -57,7 +58,7 @@ _KILLED_MID_DELETION = textwrap.dedent(
     """
     import os, signal, sys, torch
     import cocijax as cj, cocijax.torch as cjt
-    from cocijax.torch import _manager
+    from cocijax.torch import _saving as _manager
 
     real_unlink, real_remove = os.unlink, _manager.remove
     deleting = False

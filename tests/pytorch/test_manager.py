@@ -17,7 +17,7 @@ import cocijax as cj
 import cocijax.torch as cjt
 from cocijax.core._driver import PRIOR_FIXED_S, PRIOR_WRITE_RATE_BPS, prior_cost_s
 from cocijax.manager import DirectoryLockedError
-from cocijax.torch._manager import _nbytes
+from cocijax.torch._state import tree_nbytes as _nbytes
 
 # cocijax.torch silences this DCP warning at import; pytest resets filters for each test.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")

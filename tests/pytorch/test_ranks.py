@@ -31,7 +31,7 @@ import cocijax as cj
 import cocijax.torch as cjt
 from cocijax.core._driver import prior_cost_s
 from cocijax.core._retention import BestN
-from cocijax.torch._manager import _nbytes
+from cocijax.torch._state import tree_nbytes as _nbytes
 
 HERE = Path(__file__).parent
 EXAMPLE = HERE.parents[1] / "examples" / "torch_train.py"
