@@ -45,11 +45,9 @@ from typing import Any
 
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM
+from cocijax.manager._tier_drain import AlreadyCommitted, clean_failed, drain_step
 from cocijax.manager._tier_layout import (
     COMMIT_KEY,
-    STEP_FILES,
-    make_record,
-    read_record,
     scan,
     scan_within,
 )
@@ -57,21 +55,14 @@ from cocijax.manager._tier_lease import Lease, LeaseError
 from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
 from cocijax.manager._tier_read import restore_step
 from cocijax.storage._kvpath import describe_error, is_missing_bucket, is_transient
-from cocijax.storage._manifest_io import write_manifest
-from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
+from cocijax.storage._records import MANIFEST_NAME
 
 __all__ = ["DurableOptions", "DurableTier", "DurableTierError", "open_durable"]
 
 log = logging.getLogger(__name__)
 
-# Local files that are the state item's own commit record or data: copied by copy_item.
-_STATE_OWN = (MANIFEST_NAME, "cocijax_manifest.part-")
 # How often the drain thread looks for the local commit of the step it waits for (one stat).
 _POLL_S = 0.005
-
-
-class _AlreadyCommitted(Exception):
-    """The step is committed on the durable tier already (by another writer): not replaced."""
 
 
 class DurableTier:
@@ -302,12 +293,12 @@ class DurableTier:
         delay = self.options.backoff_s
         for attempt in range(1, self.options.attempts + 1):
             try:
-                self._drain(step)
+                drain_step(self, step)
                 return
-            except _AlreadyCommitted:
+            except AlreadyCommitted:
                 return
             except Exception as e:
-                self._clean_failed(step)
+                clean_failed(self, step)
                 last = attempt == self.options.attempts or self._abandoned
                 if last or not is_transient(e) or isinstance(e, LeaseError):
                     raise
@@ -322,83 +313,6 @@ class DurableTier:
                 )
             time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
             delay *= 2
-
-    def _clean_failed(self, step: int) -> None:
-        """Removes what a failed drain of ``step`` wrote, if the step is not committed and this
-        writer still holds the lease (another writer's objects are never touched)."""
-        prefix = self.root / str(step)
-        try:
-            if self._lease.held and (prefix / COMMIT_KEY).read_bytes() is None:
-                prefix.delete_all()
-                log.info("%s: removed the uncommitted objects of step %d", self.url, step)
-        except (ValueError, OSError) as e:  # left for the next garbage collection
-            log.warning("%s: cannot remove what the drain of step %d left (%s)", self.url, step, e)
-
-    def _drain(self, step: int) -> None:
-        start = self.options.clock()
-        source = self._local_step(step)
-        dest = self.root / str(step)
-        if (dest / COMMIT_KEY).read_bytes() is not None:
-            self._skip_committed(step, dest)
-        if dest.list():  # an interrupted drain's objects, never committed: start afresh
-            dest.delete_all()
-        others = {}
-        for path in sorted(p for p in source.rglob("*") if p.is_file()):
-            rel = path.relative_to(source)
-            if rel.parts[0] == STATE_ITEM and (
-                rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
-            ):
-                continue  # the state's pieces and manifest: copy_item's, manifest last
-            others[rel.as_posix()] = path.read_bytes()
-        dest.write_many(others)
-        self._touch()
-        copied = storage.copy_item(
-            source / STATE_ITEM,
-            dest / STATE_ITEM,
-            source_options=self.options.source_options,
-            dest_options=self.options.store_options,
-            memory_bytes=self.options.memory_bytes,
-            commit=False,
-            buffers=self._buffers,
-            progress=self._touch,
-        )
-        manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
-        # The commit: the record, then the state manifest, after every other object is there,
-        # and only while this writer holds the lease for longer than the two writes can take.
-        if self._abandoned:
-            raise DurableTierError("abandoned by close(): not committed")
-        self._lease.check(margin_s=self.options.lease_duration_s / 2)
-        (dest / STEP_FILES).write_bytes(make_record(step, others, self.options.owner))
-        write_manifest(dest / STATE_ITEM, manifest)
-        elapsed = self.options.clock() - start
-        with self._cond:
-            self._steps.add(step)
-            self.drain_s = elapsed
-        log.info(
-            "%s: step %d drained (%.1f MiB of pieces, %d other files) in %.2f s",
-            self.url,
-            step,
-            copied.bytes / 2**20,
-            len(others),
-            elapsed,
-        )
-
-    def _skip_committed(self, step: int, dest: storage.KvPath) -> None:
-        try:
-            owner = read_record(dest, step).owner
-        except (storage.CorruptCheckpointError, ValueError, OSError) as e:
-            owner = f"unknown ({e})"
-        log.error(
-            "%s: step %d is committed on the durable tier already, drained by %s: not replaced "
-            "(this writer's step %d stays on the local tier only)",
-            dest.url,
-            step,
-            owner,
-            step,
-        )
-        with self._cond:
-            self._steps.add(step)
-        raise _AlreadyCommitted(step)
 
     def wait(self, *, raise_errors: bool) -> int | None:
         """Blocks until no step waits or drains, or the drain made no progress for

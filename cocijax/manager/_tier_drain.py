@@ -1,0 +1,120 @@
+"""One drain: a committed local step copied to the durable tier, its manifest written last.
+
+Only what an object store promises is assumed: a PUT makes one whole object appear. So a step is
+committed on the durable tier when its state manifest exists, and that object is written after
+every other object of the step (the step's record last but one), and only while this writer
+holds the tier's lease. A drain never replaces a step another writer committed there, and a
+failed drain removes what it wrote at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from cocijax import storage
+from cocijax.manager._directory import STATE_ITEM
+from cocijax.manager._tier_layout import COMMIT_KEY, STEP_FILES, make_record, read_record
+from cocijax.manager._tier_options import DurableTierError
+from cocijax.storage._manifest_io import write_manifest
+from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
+
+if TYPE_CHECKING:
+    from cocijax.manager._tiers import DurableTier
+
+__all__ = ["AlreadyCommitted", "clean_failed", "drain_step"]
+
+log = logging.getLogger(__name__)
+
+# Local files that are the state item's own commit record or data: copied by copy_item.
+_STATE_OWN = (MANIFEST_NAME, "cocijax_manifest.part-")
+
+
+class AlreadyCommitted(Exception):
+    """The step is committed on the durable tier already (by another writer): not replaced."""
+
+
+def drain_step(tier: DurableTier, step: int) -> None:
+    """Copies the committed local ``step`` to the durable tier, its manifest last (the commit).
+
+    Raises:
+      AlreadyCommitted: another writer committed the step there already (not replaced).
+      DurableTierError: abandoned by ``close()``, or the lease was lost (nothing committed).
+    """
+    start = tier.options.clock()
+    source = tier._local_step(step)
+    dest = tier.root / str(step)
+    if (dest / COMMIT_KEY).read_bytes() is not None:
+        _skip_committed(tier, step, dest)
+    if dest.list():  # an interrupted drain's objects, never committed: start afresh
+        dest.delete_all()
+    others = {}
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        rel = path.relative_to(source)
+        if rel.parts[0] == STATE_ITEM and (
+            rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
+        ):
+            continue  # the state's pieces and manifest: copy_item's, manifest last
+        others[rel.as_posix()] = path.read_bytes()
+    dest.write_many(others)
+    tier._touch()
+    copied = storage.copy_item(
+        source / STATE_ITEM,
+        dest / STATE_ITEM,
+        source_options=tier.options.source_options,
+        dest_options=tier.options.store_options,
+        memory_bytes=tier.options.memory_bytes,
+        commit=False,
+        buffers=tier._buffers,
+        progress=tier._touch,
+    )
+    manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
+    # The commit: the record, then the state manifest, after every other object is there,
+    # and only while this writer holds the lease for longer than the two writes can take.
+    if tier._abandoned:
+        raise DurableTierError("abandoned by close(): not committed")
+    tier._lease.check(margin_s=tier.options.lease_duration_s / 2)
+    (dest / STEP_FILES).write_bytes(make_record(step, others, tier.options.owner))
+    write_manifest(dest / STATE_ITEM, manifest)
+    elapsed = tier.options.clock() - start
+    with tier._cond:
+        tier._steps.add(step)
+        tier.drain_s = elapsed
+    log.info(
+        "%s: step %d drained (%.1f MiB of pieces, %d other files) in %.2f s",
+        tier.url,
+        step,
+        copied.bytes / 2**20,
+        len(others),
+        elapsed,
+    )
+
+
+def _skip_committed(tier: DurableTier, step: int, dest: storage.KvPath) -> None:
+    try:
+        owner = read_record(dest, step).owner
+    except (storage.CorruptCheckpointError, ValueError, OSError) as e:
+        owner = f"unknown ({e})"
+    log.error(
+        "%s: step %d is committed on the durable tier already, drained by %s: not replaced "
+        "(this writer's step %d stays on the local tier only)",
+        dest.url,
+        step,
+        owner,
+        step,
+    )
+    with tier._cond:
+        tier._steps.add(step)
+    raise AlreadyCommitted(step)
+
+
+def clean_failed(tier: DurableTier, step: int) -> None:
+    """Removes what a failed drain of ``step`` wrote, if the step is not committed and this
+    writer still holds the lease (another writer's objects are never touched)."""
+    prefix = tier.root / str(step)
+    try:
+        if tier._lease.held and (prefix / COMMIT_KEY).read_bytes() is None:
+            prefix.delete_all()
+            log.info("%s: removed the uncommitted objects of step %d", tier.url, step)
+    except (ValueError, OSError) as e:  # left for the next garbage collection
+        log.warning("%s: cannot remove what the drain of step %d left (%s)", tier.url, step, e)
