@@ -27,8 +27,8 @@ restored the cost its checkpoint measured), the driver saves after the first tim
 second after opening (the first includes compilation): that save measures the real cost at
 once and protects the job from its first minutes on. Until then the policy is given a cost
 prior from the state's size (:func:`prior_cost_s`; the managers give the size at their first
-``save`` call). A policy whose decisions do not depend on the cost (``fixed``:
-``Policy.uses_cost``) gets no early save.
+``save`` call), unless it was built with a ``cost_prior_s`` of its own, which wins. A policy
+whose decisions do not depend on the cost (``fixed``: ``Policy.uses_cost``) gets no early save.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from cocijax._validate import POSITIVE, check
 from cocijax.core._contract import Measurements
 from cocijax.core._history import RunHistory
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
-from cocijax.policies._classic import DEFAULT_COST_PRIOR_S
+from cocijax.policies._base import DEFAULT_COST_PRIOR_S
 
 __all__ = [
     "PolicyDriver",
@@ -293,8 +293,9 @@ class PolicyDriver:
       step_time_s: the job's step time in seconds, the median of the recent measurements (NaN
         before the first); saved with the checkpoint so that a restarted job has one at once.
       cost_s: the measured blocking time of the last save in seconds (NaN before the first).
-      wants_state_size: no cost is known and the cost prior waits for the state's size: a
-        manager then calls :meth:`state_size` (once, at its first ``save``).
+      wants_state_size: the cost prior waits for the state's size (the policy uses the cost
+        and was given no prior of its own): a manager calls :meth:`state_size` (once, at its
+        first ``save``).
       loss: the loss the policy sees with the next step when the caller has no newer one (the
         last saved step's, after a restore).
     """
@@ -337,9 +338,11 @@ class PolicyDriver:
         self._rough_step_times = False  # they are only upper bounds (see _measured)
         self._costs = _Recent(jump=COST_JUMP)
         # The cost assumed until one is measured (module docstring): from the state's size,
-        # once a manager tells it; NaN lets the policy use its own ``cost_prior_s``.
+        # once a manager tells it; NaN lets the policy use its own ``cost_prior_s``, which
+        # wins when it was given one.
+        self._own_cost_prior_s = getattr(policy, "cost_prior_s", None)
         self._cost_prior_s = math.nan
-        self.wants_state_size = self._early_save
+        self.wants_state_size = self._early_save and self._own_cost_prior_s is None
         self._mark: float | None = None  # end of the previous call; None: the next is untimed
         self._saved_last = False  # the previous decision was "save" (cost_from_intervals)
         self._last: tuple[Any, float, float] = (math.nan, math.nan, math.nan)
@@ -356,8 +359,14 @@ class PolicyDriver:
 
     @property
     def cost_estimate_s(self) -> float:
-        """The save cost the policy is given: recent measurements' median, else the prior."""
-        return self._costs.value if self._costs.values else self._cost_prior_s
+        """The save cost the policy uses: recent measurements' median, else its prior (its own
+        when it was built with one, else the one from the state's size; NaN before either)."""
+        return self._costs.value if self._costs.values else self._prior_s
+
+    @property
+    def _prior_s(self) -> float:
+        own = self._own_cost_prior_s
+        return self._cost_prior_s if own is None else own
 
     @property
     def mtbf_s(self) -> float:
@@ -425,8 +434,9 @@ class PolicyDriver:
         # One step time could be a pause: the policy gets step times once two were measured
         # (or a checkpoint's, which its job fed).
         step_time = self.step_time_s if self._timed_steps > 1 else math.nan
-        cost = self.cost_estimate_s
-        self._last = (loss, step_time, cost)
+        # Before any measurement, a policy with a prior of its own is given none.
+        cost = self._costs.value if self._costs.values else self._cost_prior_s
+        self._last = (loss, step_time, self.cost_estimate_s)
         decision = self.runner.update(
             step,
             loss=loss,
@@ -466,7 +476,7 @@ class PolicyDriver:
         save may well take a few seconds (a slow file system, a slow ``extra`` item), which
         must not be cut; a pause of days must.
         """
-        prior = self._cost_prior_s
+        prior = self._prior_s
         return max(prior, DEFAULT_COST_PRIOR_S) if math.isfinite(prior) else DEFAULT_COST_PRIOR_S
 
     @contextlib.contextmanager

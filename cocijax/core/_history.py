@@ -149,7 +149,7 @@ class RunHistory:
         self._recovering = False
         if writer:
             self._marked, self._unclean = self._read_marker()
-            self.failures = self._marked + self._unclean
+            self.failures = min(self._marked + self._unclean, MAX_FAILURES)
             self._write_marker()
 
     def _read_marker(self) -> tuple[int, bool]:
@@ -179,7 +179,7 @@ class RunHistory:
                 stacklevel=3,
             )
             return 0, True
-        # A marker of cocijax before 0.3 holds no count (0) and always means "running".
+        # A marker written before markers held a count reads as 0, and "running".
         return counted["failures"], mark.get("closed") is not True
 
     def _write_marker(self, *, closed: bool = False) -> None:
@@ -204,11 +204,10 @@ class RunHistory:
         self._saved_uptime_s = checked["uptime_s"]
         self._recorded = checked["failures"]
         self.recovery_s = checked["recovery_s"]
-        failures = max(self._recorded, self._marked) + self._unclean
-        if self._writer and failures != self.failures:
-            self.failures = failures
+        failures = min(max(self._recorded, self._marked) + self._unclean, MAX_FAILURES)
+        changed, self.failures = failures != self.failures, failures
+        if self._writer and changed:
             self._write_marker()  # a crash from now on counts from this
-        self.failures = failures
         return reason
 
     def restored(self) -> None:

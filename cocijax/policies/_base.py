@@ -109,6 +109,8 @@ class Policy(NamedTuple):
     # Whether its decisions depend on the checkpoint cost (``fixed``'s do not): a driver that
     # knows no cost yet then saves early to measure one (``cocijax.manager.PolicyDriver``).
     uses_cost: bool = True
+    # The cost prior it was built with, when given: a manager then gives it none of its own.
+    cost_prior_s: float | None = None
 
 
 class Seen(NamedTuple):
@@ -134,6 +136,7 @@ def make_policy(
     mtbf_s: float | None = None,
     recovery_s: float | None = None,
     uses_cost: bool = True,
+    cost_prior_s: float | None = None,
 ) -> Policy:
     """A :class:`Policy` from ``init`` and ``rule(state, seen) -> (save, state)``.
 
@@ -145,7 +148,7 @@ def make_policy(
     def update(state, **inputs):  # the signature of UpdateFn; Seen checks the names
         return rule(state, Seen(**inputs))
 
-    return Policy(init, jax.jit(update), total_steps, mtbf_s, recovery_s, uses_cost)
+    return Policy(init, jax.jit(update), total_steps, mtbf_s, recovery_s, uses_cost, cost_prior_s)
 
 
 class Clock(NamedTuple):
@@ -279,6 +282,22 @@ def check_mtbf(mtbf_s: float | None, prior_mtbf_s: float | None) -> tuple[float 
         else check_positive("prior_mtbf_s", prior_mtbf_s)
     )
     return given, prior
+
+
+# The checkpoint cost a policy assumes until one is measured, when its constructor is given
+# none. The managers give one instead, from the state's size (``cocijax.manager._driver``).
+DEFAULT_COST_PRIOR_S = 10.0
+
+
+def check_cost_prior(cost_prior_s: float | None) -> float:
+    """The cost prior a policy uses: ``cost_prior_s``, or ``DEFAULT_COST_PRIOR_S`` for None.
+
+    Raises:
+      ValueError: naming ``cost_prior_s`` when it is not a finite number >= 0.
+    """
+    if cost_prior_s is None:
+        return DEFAULT_COST_PRIOR_S
+    return check_nonnegative("cost_prior_s", cost_prior_s)
 
 
 def smoothed(clock: Clock, cost_prior_s: float) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -19,8 +19,6 @@ import jax.numpy as jnp
 from cocijax.policies import _base
 from cocijax.policies._base import Policy
 
-DEFAULT_COST_PRIOR_S = 10.0
-
 
 class ClassicState(NamedTuple):
     clock: _base.Clock
@@ -47,15 +45,15 @@ def _init() -> ClassicState:
 
 
 def _interval_policy(
-    interval_fn, mtbf_s: float | None, prior_mtbf_s: float | None, cost_prior_s: float
+    interval_fn, mtbf_s: float | None, prior_mtbf_s: float | None, cost_prior_s: float | None
 ) -> Policy:
     """Saves once ``interval_fn(cost, mtbf)`` seconds of training passed since the last save."""
     given, prior = _base.check_mtbf(mtbf_s, prior_mtbf_s)
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    cost_prior = _base.check_cost_prior(cost_prior_s)
 
     def rule(state, seen: _base.Seen):
         clock, _, _ = _base.clock_tick(state.clock, seen)
-        tau, cost = _base.smoothed(clock, cost_prior_s)
+        tau, cost = _base.smoothed(clock, cost_prior)
         mtbf = _base.resolve(given, seen.mtbf_s, prior)
         left = interval_fn(cost, mtbf) - 0.5 * tau - clock.since_save
         save = _base.checking(clock, seen.step) & (left <= 0)
@@ -63,7 +61,9 @@ def _interval_policy(
         next_check = _base.halfway(seen.step, after / tau)
         return save, ClassicState(_base.clock_saved(clock, save, seen.step, next_check))
 
-    return _base.make_policy(_init, rule, mtbf_s=given)
+    return _base.make_policy(
+        _init, rule, mtbf_s=given, cost_prior_s=None if cost_prior_s is None else cost_prior
+    )
 
 
 def fixed(every: int) -> Policy:
@@ -106,7 +106,7 @@ def young(
     mtbf_s: float | None = None,
     *,
     prior_mtbf_s: float | None = None,
-    cost_prior_s: float = DEFAULT_COST_PRIOR_S,
+    cost_prior_s: float | None = None,
 ) -> Policy:
     """Young's rule: save every ``sqrt(2 C M)`` seconds of training.
 
@@ -115,7 +115,8 @@ def young(
         (``update(..., mtbf_s=...)``, as the manager passes it), ``prior_mtbf_s`` until then.
       prior_mtbf_s: MTBF assumed before one is measured; default 24 h divided by
         ``jax.device_count()``.
-      cost_prior_s: checkpoint cost assumed until the first measured one.
+      cost_prior_s: checkpoint cost assumed until the first measured one; ``None``: 10 s, or
+        the prior a caller gives (the managers give one from the state's size).
 
     Returns:
       A :class:`Policy`.
@@ -134,7 +135,7 @@ def daly(
     mtbf_s: float | None = None,
     *,
     prior_mtbf_s: float | None = None,
-    cost_prior_s: float = DEFAULT_COST_PRIOR_S,
+    cost_prior_s: float | None = None,
 ) -> Policy:
     """Daly's higher-order optimal interval (see :func:`daly_interval`).
 
@@ -147,7 +148,7 @@ def daly(
     return _interval_policy(daly_interval, mtbf_s, prior_mtbf_s, cost_prior_s)
 
 
-def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_PRIOR_S) -> Policy:
+def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float | None = None) -> Policy:
     """CheckFreq's rule: the most frequent interval whose stall stays under ``max_overhead``.
 
     CheckFreq profiles the stall ``C`` of one save and the step time ``t`` and then raises the
@@ -157,7 +158,8 @@ def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_
 
     Args:
       max_overhead: allowed fraction of training time spent stalled, in ``(0, 1]``.
-      cost_prior_s: checkpoint cost assumed until the first measured one.
+      cost_prior_s: checkpoint cost assumed until the first measured one; ``None``: 10 s, or
+        the prior a caller gives (the managers give one from the state's size).
 
     Returns:
       A :class:`Policy`.
@@ -174,15 +176,15 @@ def checkfreq(max_overhead: float = 0.05, *, cost_prior_s: float = DEFAULT_COST_
     mo = _base.check_positive("max_overhead", max_overhead)
     if mo > 1.0:
         raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead!r}.")
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    cost_prior = _base.check_cost_prior(cost_prior_s)
 
     def rule(state, seen: _base.Seen):
         clock, _, _ = _base.clock_tick(state.clock, seen)
-        tau, cost = _base.smoothed(clock, cost_prior_s)
+        tau, cost = _base.smoothed(clock, cost_prior)
         every = jnp.maximum(jnp.ceil(cost / (mo * tau) - 1e-6), 1.0)
         left = every - clock.steps_since_save.astype(jnp.float32)
         save = _base.checking(clock, seen.step) & (left <= 0)
         next_check = _base.halfway(seen.step, jnp.where(save, every, left))
         return save, ClassicState(_base.clock_saved(clock, save, seen.step, next_check))
 
-    return _base.make_policy(_init, rule)
+    return _base.make_policy(_init, rule, cost_prior_s=None if cost_prior_s is None else cost_prior)

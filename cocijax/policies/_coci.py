@@ -112,7 +112,7 @@ def coci(
     horizon_range: tuple[float, float] = (4.0, 40.0),
     replan_fraction: float = 0.5,
     min_points: int = 3,
-    cost_prior_s: float = 10.0,
+    cost_prior_s: float | None = None,
 ) -> Policy:
     """Convergence-aware checkpoint policy planned by dynamic programming (see module docstring).
 
@@ -139,7 +139,8 @@ def coci(
         of the steps done so far (see the module docstring).
       replan_fraction: redo the plan after this fraction of the current save interval.
       min_points: finite losses needed before ``w`` is estimated (Young's rule until then).
-      cost_prior_s: checkpoint cost assumed until the first measured one.
+      cost_prior_s: checkpoint cost assumed until the first measured one; ``None``: 10 s, or
+        the prior a caller gives (the managers give one from the state's size).
 
     Returns:
       A :class:`~cocijax.policies.Policy`.
@@ -185,7 +186,7 @@ def coci(
     if isinstance(min_points, bool) or int(min_points) != min_points or min_points < 2:
         raise ValueError(f"min_points must be an integer >= 2, got {min_points!r}.")
     min_points = int(min_points)
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    cost_prior = _base.check_cost_prior(cost_prior_s)
     known_end = total_steps is not None
     # Transfers of numpy scalars: jnp.zeros, jnp.asarray and their like compile an XLA program
     # each when run eagerly (constructing the policy took 147 ms in a fresh process, now 9 ms).
@@ -198,7 +199,7 @@ def coci(
             jnp.zeros(bins + 1, jnp.float32),
             jnp.ones(bins, jnp.float32),
             jnp.zeros(bins + 1, jnp.float32),
-            _horizon.costs(1.0, cost_prior_s, assumed_recovery(prior_mtbf), prior_mtbf),
+            _horizon.costs(1.0, cost_prior, assumed_recovery(prior_mtbf), prior_mtbf),
         )
         return CociState(
             _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
@@ -224,7 +225,7 @@ def coci(
 
     def rule(state: CociState, seen: _base.Seen):
         clock, is_new, dt = _base.clock_tick(state.clock, seen)
-        tau, cost = _base.smoothed(clock, cost_prior_s)
+        tau, cost = _base.smoothed(clock, cost_prior)
         k = clock.last_step.astype(jnp.float32)
         mtbf = _base.resolve(given_mtbf, seen.mtbf_s, prior_mtbf)
         rec_s = _base.resolve(given_rec, seen.recovery_s, assumed_recovery(mtbf), zero_ok=True)
@@ -325,7 +326,12 @@ def coci(
         )
 
     return _base.make_policy(
-        init, rule, total_steps=total_steps, mtbf_s=given_mtbf, recovery_s=given_rec
+        init,
+        rule,
+        total_steps=total_steps,
+        mtbf_s=given_mtbf,
+        recovery_s=given_rec,
+        cost_prior_s=None if cost_prior_s is None else cost_prior,
     )
 
 

@@ -117,7 +117,7 @@ def coci_paper(
     fit_interval: int = 10000,
     threshold: float = 0.1,
     time_unit_s: float = 60.0,
-    cost_prior_s: float = 10.0,
+    cost_prior_s: float | None = None,
 ) -> Policy:
     """The COCI artifact's rule: saves at equal decrements of the fitted loss.
 
@@ -127,7 +127,8 @@ def coci_paper(
       fit_interval: refit every this many iterations (the artifact's ``fit_interval``).
       threshold: re-plan when ``theta1`` or ``theta2`` moves by more than this.
       time_unit_s: the artifact's time unit (minutes).
-      cost_prior_s: checkpoint cost assumed until the first measured one.
+      cost_prior_s: checkpoint cost assumed until the first measured one; ``None``: 10 s, or
+        the prior a caller gives (the managers give one from the state's size).
 
     Returns:
       A :class:`~cocijax.policies.Policy`.
@@ -141,7 +142,7 @@ def coci_paper(
             raise ValueError(f"{name} must be an integer >= 2, got {val!r}.")
     thr = _base.check_positive("threshold", threshold)
     unit = _base.check_positive("time_unit_s", time_unit_s)
-    _base.check_nonnegative("cost_prior_s", cost_prior_s)
+    cost_prior = _base.check_cost_prior(cost_prior_s)
     profile_steps, fit_interval = int(profile_steps), int(fit_interval)
     ft_lambda = unit / m  # failures per time unit
     f0 = jnp.zeros((), jnp.float32)
@@ -167,7 +168,7 @@ def coci_paper(
     def rule(state: PaperState, seen: _base.Seen):
         # The artifact takes its failure rate as given: seen.mtbf_s and recovery_s are not used.
         clock, is_new, _ = _base.clock_tick(state.clock, seen)
-        tau, cost = _base.smoothed(clock, cost_prior_s)
+        tau, cost = _base.smoothed(clock, cost_prior)
         t_now = clock.elapsed / unit
         ts = cost / unit
         loss = jnp.asarray(seen.loss, jnp.float32)
@@ -213,4 +214,6 @@ def coci_paper(
             count,
         )
 
-    return _base.make_policy(init, rule, mtbf_s=m)
+    return _base.make_policy(
+        init, rule, mtbf_s=m, cost_prior_s=None if cost_prior_s is None else cost_prior
+    )
