@@ -24,9 +24,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from cocijax import storage
 from cocijax.manager._durable import DurableRenameTemporaryPath
 from cocijax.manager._orbax_steps import OrbaxStep, find_orbax_step
+from cocijax.storage._manifest_io import check_committed
 
 __all__ = [
     "METRICS_ITEM",
@@ -57,8 +57,9 @@ STEP_RE = re.compile(r"^\d+$")
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-# Step directories already checked by is_committed inside a checked_once() block.
-_checked: contextvars.ContextVar[dict[Path, bool] | None] = contextvars.ContextVar(
+# What is_committed found of each step directory it checked inside a checked_once() block:
+# None (committed), or why not.
+_checked: contextvars.ContextVar[dict[Path, str | None] | None] = contextvars.ContextVar(
     "cocijax_checked_steps", default=None
 )
 
@@ -68,17 +69,22 @@ def is_committed(step_dir: Path) -> bool:
 
     Inside :func:`checked_once`, each step directory is read and checked once.
     """
+    return _manifest_problem(step_dir) is None
+
+
+def _manifest_problem(step_dir: Path) -> str | None:
+    """Why ``step_dir`` has no valid manifest (None: it has one); once per checked_once block."""
     checked = _checked.get()
     if checked is not None and step_dir in checked:
         return checked[step_dir]
     try:
-        storage.read_manifest(step_dir / STATE_ITEM)
-        committed = True
-    except (ValueError, OSError, KeyError, TypeError):
-        committed = False
+        check_committed(step_dir / STATE_ITEM)
+        problem = None
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        problem = f"no valid manifest: {e}"
     if checked is not None:
-        checked[step_dir] = committed
-    return committed
+        checked[step_dir] = problem
+    return problem
 
 
 @contextlib.contextmanager
@@ -136,29 +142,34 @@ class CommittedStepFormat:
 
     Orbax lists every directory named like a step; a step whose manifest is missing or invalid
     (corruption, a foreign tool) must not be listed, restored or counted by ``max_to_keep``.
+
+    Attributes:
+      inner: Orbax's own format of step names.
+      checked: the steps :func:`check_layout` found committed, with their commit times: Orbax's
+        first listing (the manager's opening) takes them from here instead of reading each
+        step again, and later listings read them afresh.
     """
 
     inner: Any = dataclasses.field(default_factory=ocp.path.step.standard_name_format)
+    checked: dict[Path, datetime.datetime] = dataclasses.field(default_factory=dict)
 
     def build_name(self, step: int) -> str:
         return self.inner.build_name(step)
 
     def find_all(self, base_path: Any) -> Iterator[Any]:
-        for metadata in self.inner.find_all(base_path):
-            if not is_committed(Path(metadata.path)):
+        # Listed here, not by Orbax's format, which builds each step's metadata in a thread
+        # pool of its own: step names are plain numbers (merge_options) and a temporary
+        # directory's name is not one.
+        base = Path(base_path)
+        for name in os.listdir(base):
+            if not STEP_RE.match(name):
                 continue
-            try:
-                # Read now: Orbax reads it later, when a writer may have deleted the step.
-                committed_at = metadata.commit_timestamp
-            except (FileNotFoundError, NotADirectoryError):
-                # Deleted since it was listed. Orbax checks that the step exists, then that it
-                # is a directory: a step removed in between is "not a directory" to it.
-                if Path(metadata.path).is_dir():
-                    raise
-                continue
-            except Exception:  # damaged Orbax metadata: not listed (a writer sets it aside)
-                continue
-            yield _ListedStep(metadata.step, metadata.path, committed_at)
+            path = base / name
+            committed_at = self.checked.pop(path, None)
+            if committed_at is None:
+                committed_at = _commit_time(path)
+            if committed_at is not None:
+                yield _ListedStep(int(name), epath.Path(path), committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
         try:
@@ -186,6 +197,23 @@ class _ListedStep(ocp.path.step.Metadata):
         return self.committed_at
 
 
+def _commit_time(step_dir: Path) -> datetime.datetime | None:
+    """The commit time of a listed step, or None when it is not a committed cocijax step."""
+    if not is_committed(step_dir):
+        return None
+    try:
+        # Read now: Orbax reads it later, when a writer may have deleted the step.
+        return ocp.path.step.Metadata(int(step_dir.name), epath.Path(step_dir)).commit_timestamp
+    except (FileNotFoundError, NotADirectoryError):
+        # Deleted since it was listed. Orbax checks that the step exists, then that it is a
+        # directory: a step removed in between is "not a directory" to it.
+        if step_dir.is_dir():
+            raise
+        return None
+    except Exception:  # damaged Orbax metadata: not listed (a writer sets it aside)
+        return None
+
+
 class _NoSuchStep(FileNotFoundError, ValueError):
     """No committed step of that number: Orbax's ``find_step`` raises a ``ValueError``.
 
@@ -203,10 +231,13 @@ class Layout:
       damaged: ``(step directory, what is wrong)`` for each cocijax step that cannot be listed:
         no valid manifest (never committed, or damaged since), or unreadable Orbax metadata.
       orbax: steps written by Orbax's own ``CheckpointManager``, by step number.
+      committed: the committed cocijax steps, with their commit times (see
+        :class:`CommittedStepFormat`).
     """
 
     damaged: list[tuple[Path, str]]
     orbax: dict[int, OrbaxStep]
+    committed: dict[Path, datetime.datetime]
 
 
 def check_layout(directory: Path) -> Layout:
@@ -217,13 +248,15 @@ def check_layout(directory: Path) -> Layout:
     trash, quarantine and, when ``directory`` is also a root, its stripe folder). An entry that
     vanishes while it is looked at was deleted by a writer: it is skipped.
     """
-    layout = Layout(damaged=[], orbax={})
+    layout = Layout(damaged=[], orbax={}, committed={})
     for entry in sorted(directory.iterdir()):
         name = entry.name
         if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
-            problem = step_problem(entry)
+            committed_at, problem = _read_step(entry)
+            if committed_at is not None:
+                layout.committed[entry] = committed_at
             if problem is None:
                 continue
             orbax = find_orbax_step(entry)
@@ -255,17 +288,22 @@ def step_problem(step_dir: Path) -> str | None:
     Its manifest must be valid (:func:`is_committed`) and Orbax's metadata of the step
     (``_CHECKPOINT_METADATA``) readable: Orbax reads it to list the step.
     """
+    return _read_step(step_dir)[1]
+
+
+def _read_step(step_dir: Path) -> tuple[datetime.datetime | None, str | None]:
+    """(its commit time, None) for a committed step; (None, why not) or (None, None) when it
+    vanished while it was read (a writer deleted it)."""
+    problem = _manifest_problem(step_dir)
+    if problem is not None:
+        return None, problem
     try:
-        storage.read_manifest(step_dir / STATE_ITEM)
-    except (ValueError, OSError, KeyError, TypeError) as e:
-        return f"no valid manifest: {e}"
-    try:
-        ocp.path.step.Metadata(int(step_dir.name), epath.Path(step_dir)).commit_timestamp  # noqa: B018
+        metadata = ocp.path.step.Metadata(int(step_dir.name), epath.Path(step_dir))
+        return metadata.commit_timestamp, None
     except (FileNotFoundError, NotADirectoryError):
-        return None if not step_dir.exists() else "its Orbax metadata vanished"
+        return None, None if not step_dir.exists() else "its Orbax metadata vanished"
     except Exception as e:  # Orbax's own errors of a damaged metadata file are of any type
-        return f"its Orbax metadata cannot be read ({type(e).__name__}: {e})"
-    return None
+        return None, f"its Orbax metadata cannot be read ({type(e).__name__}: {e})"
 
 
 def merge_options(
@@ -308,6 +346,10 @@ def merge_options(
         # A reader deletes nothing: Orbax would drop the trash itself, with a warning.
         todelete_subdir=None if options.read_only else TRASH_DIR,
         create=not options.read_only,
+        # Orbax reads each step's metrics and commit time when it opens; cocijax's retention
+        # reads the metrics it ranks by itself, and the commit times matter to keep_time_interval
+        # only (check_layout has read them anyway; CommittedStepFormat passes them on).
+        lightweight_initialize=options.lightweight_initialize or options.keep_time_interval is None,
     )
 
 

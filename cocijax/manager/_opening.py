@@ -32,6 +32,8 @@ from cocijax.core._session import run_all
 from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
+    CommittedStepFormat,
+    Layout,
     check_layout,
     merge_options,
     orbax_reader_notice_dropped,
@@ -48,7 +50,12 @@ from cocijax.manager._orbax_steps import OrbaxStep
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._restoring import load_policy
 from cocijax.manager._saving import collect
-from cocijax.manager._tier_options import check_timeout, manager_root, pin_steps
+from cocijax.manager._tier_options import (
+    check_roots_writable,
+    check_timeout,
+    manager_root,
+    pin_steps,
+)
 from cocijax.manager._tiers import DurableTier, open_durable
 
 if TYPE_CHECKING:
@@ -142,7 +149,8 @@ def check_arguments(
     path = check_directory(directory)
     handler_options = {"store_timeout_s": check_timeout(store_timeout_s), **(handler_options or {})}
     root_options = handler_options.get("root_options")
-    manager_roots = tuple(manager_root(r, root_options) for r in roots) if roots else ()
+    timeout_s = handler_options["store_timeout_s"]
+    manager_roots = tuple(manager_root(r, root_options, timeout_s=timeout_s) for r in roots or ())
     for name, value in (
         ("exit_on_preemption", exit_on_preemption),
         ("orbax_retention", orbax_retention),
@@ -180,6 +188,9 @@ def check_arguments(
         timeout_s=store_timeout_s,
     )
     check_locations(path, manager_roots, None if tier is None else tier.root)
+    if not orbax_options.read_only:
+        # Before the directory is opened: its identity is read from and written to each root.
+        check_roots_writable(manager_roots, timeout_s)
     if tier is not None:
         orbax_options = pin_steps(orbax_options, tier.pinned)  # the drain's steps are kept
     return Opening(
@@ -199,9 +210,10 @@ def check_arguments(
 
 
 def orbax_manager(
-    opening: Opening, stripe_roots: Sequence[Path | storage.KvPath]
+    opening: Opening, stripe_roots: Sequence[Path | storage.KvPath], layout: Layout
 ) -> ocp.CheckpointManager:
-    """Orbax's manager of the directory, with the striped handler writing ``stripe_roots``."""
+    """Orbax's manager of the directory, with the striped handler writing ``stripe_roots``;
+    its first listing takes the steps ``layout`` found committed."""
     read_only = opening.options.read_only
     handler = storage.StripedCheckpointHandler(
         # A reader needs no roots (the manifest names them) and must not create them.
@@ -214,10 +226,11 @@ def orbax_manager(
     policy_handler = PolicyStateHandler(primary_host=opening.primary_host)
     registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
     registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
+    options = dataclasses.replace(
+        opening.options, step_name_format=CommittedStepFormat(checked=dict(layout.committed))
+    )
     with orbax_reader_notice_dropped():
-        return ocp.CheckpointManager(
-            opening.directory, options=opening.options, handler_registry=registry
-        )
+        return ocp.CheckpointManager(opening.directory, options=options, handler_registry=registry)
 
 
 def watcher(opening: Opening) -> PreemptionWatcher:
@@ -264,6 +277,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         else:
             log.warning("%s is not listed: %s", entry, problem)
     mngr._orbax_steps = layout.orbax
+    mngr._committed = {int(path.name) for path in layout.committed}  # checked: not again
     if mngr._orbax_steps:
         log.info(
             "%s holds steps written by Orbax's CheckpointManager (%s): listed and restored "
@@ -286,7 +300,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         compile_now=not mngr._read_only,
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
     )
-    mngr.orbax = orbax_manager(opening, mngr._stripe_roots)
+    mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout)
     collect(mngr)
     if mngr._durable is not None:
         mngr._durable.open(max(mngr._local_steps(), default=None))

@@ -16,11 +16,13 @@ import orbax.checkpoint as ocp
 from cocijax import storage
 from cocijax.manager._tier_lease import owner_id
 from cocijax.storage._kvpath import is_url
+from cocijax.storage._options import check_writable
 
 __all__ = [
     "DurableOptions",
     "DurableTierError",
     "check_durable_args",
+    "check_roots_writable",
     "check_timeout",
     "manager_root",
     "pin_steps",
@@ -179,10 +181,22 @@ def pin_steps(
 
 
 def manager_root(
-    root: str | os.PathLike, options: Mapping[str, Any] | None
+    root: str | os.PathLike, options: Mapping[str, Any] | None, *, timeout_s: float | None = None
 ) -> Path | storage.KvPath:
-    """A manager's root: an absolute local path, or an object-store prefix (``s3://...``)."""
+    """A manager's root: an absolute local path, or an object-store prefix (``s3://...``) whose
+    requests wait at most ``timeout_s`` each."""
     if is_url(root):
         where = storage.KvPath.parse(root, options)
-        return Path(where.key) if where.is_local else where
+        return Path(where.key) if where.is_local else where.with_timeout(timeout_s)
     return Path(root).absolute()
+
+
+def check_roots_writable(roots: Sequence[Path | storage.KvPath], timeout_s: float | None) -> None:
+    """Raises unless each root can be written (an object store within ``timeout_s``).
+
+    Raises:
+      ValueError: naming ``roots[i]``, its path or URL and the cause (read-only, unreachable,
+        no bucket, no credentials, no answer in time).
+    """
+    for i, root in enumerate(roots):
+        check_writable(root, f"roots[{i}]", timeout_s)

@@ -81,8 +81,9 @@ class Runner:
         self._set_state(value)
 
     def _set_state(self, value: Any) -> None:
+        # Read before the transfer: a restored state is NumPy, and reading it costs nothing.
+        self._next_check = int(next_check(value))
         self._state = jax.device_put(value, self._device)
-        self._next_check = int(next_check(self._state))
 
     def _initialised(self) -> Any:
         if self._state is None:

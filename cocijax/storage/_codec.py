@@ -15,7 +15,7 @@ import json
 import pathlib
 from typing import Any
 
-from cocijax._digest import check_digest, with_digest
+from cocijax._digest import canonical_bytes, check_digest
 from cocijax.storage import _schema
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
@@ -51,7 +51,7 @@ def _to_json(manifest: Manifest) -> dict[str, Any]:
     }
     if manifest.custom_metadata is not None:
         data["custom_metadata"] = manifest.custom_metadata
-    return with_digest(data)
+    return data
 
 
 def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
@@ -143,10 +143,6 @@ def decode_manifest(raw: bytes, source: str) -> Manifest:
     return _from_json(data, source=source)
 
 
-def _json_bytes(data: Any) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
-
-
 def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> bytes:
     """The file of ``manifest`` (for :func:`write_manifest_bytes`), checked to cover every leaf.
 
@@ -154,9 +150,9 @@ def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> byte
       CheckpointFormatError: some leaf is not fully covered by the pieces.
     """
     _schema.check_coverage(manifest, item_dir)
-    return _json_bytes(_to_json(manifest))
+    return canonical_bytes(_to_json(manifest))
 
 
 def encode_part(part: Manifest) -> bytes:
     """The file of one process's ``part``; :func:`merge_parts` checks the coverage of all."""
-    return _json_bytes(_to_json(part))
+    return canonical_bytes(_to_json(part))

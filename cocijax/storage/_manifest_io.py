@@ -1,23 +1,33 @@
 """The manifest file: read once per content, written last (the commit record of a save).
 
 Every reader of a manifest comes through :func:`read_manifest_file`, which keeps what it parsed
-by the bytes it read; every writer through :func:`write_manifest_bytes`, durably on a local
-directory and in one PUT on an object store.
+by the bytes it read, or through :func:`check_committed`, the commit check of a listing, which
+needs no parse for a manifest written by this version; every writer through
+:func:`write_manifest_bytes`, durably on a local directory and in one PUT on an object store.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xxhash
 
+from cocijax._digest import bytes_match_digest
 from cocijax._files import fsync_dir, replace_bytes
 from cocijax.storage import _kvpath, _schema
 from cocijax.storage._codec import decode_manifest, encode_manifest
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._records import MANIFEST_NAME, CheckpointFormatError, Location, Manifest
+from cocijax.storage._records import (
+    FORMAT,
+    MANIFEST_NAME,
+    VERSION,
+    CheckpointFormatError,
+    Location,
+    Manifest,
+)
 
 
 def read_manifest_file(path: pathlib.Path | KvPath) -> Manifest:
@@ -90,6 +100,43 @@ def read_manifest(item_dir: Location, *, root_options: Mapping[str, Any] | None 
     manifest = read_manifest_file(item_dir / MANIFEST_NAME)
     _schema.check_coverage(manifest, item_dir)
     return manifest
+
+
+# A manifest file as this version writes it (``_codec``: sorted keys, the digest last) begins
+# with the checksum's key, holds the format's name before the leaves, and ends with its version.
+_HEAD = b'{"checksum":'
+_FORMAT_KEYS = b'"format":"%s","leaves":' % FORMAT.encode()
+_VERSION_TAIL = re.compile(rb',"version":%d,"digest":\d{1,20}\}\Z' % VERSION)
+
+
+def check_committed(item_dir: pathlib.Path | KvPath) -> None:
+    """Raises unless ``item_dir`` holds a committed manifest: the commit check of a listing.
+
+    A manifest file as this version writes it is checked by its digest over the raw bytes,
+    without parsing: its writer checked it (schema, coverage) before writing it, and the digest
+    says these are its bytes, unchanged. Any other file (damaged, or written by an older
+    version) is read and checked whole, as :func:`read_manifest` does.
+
+    Raises:
+      CheckpointFormatError: as :func:`read_manifest`.
+      OSError: the file cannot be read.
+    """
+    try:
+        raw = (item_dir / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raw = None
+    if raw is not None and _as_written(raw):
+        return
+    read_manifest(item_dir)
+
+
+def _as_written(raw: bytes) -> bool:
+    return (
+        raw.startswith(_HEAD)
+        and _VERSION_TAIL.search(raw, max(len(raw) - 48, 0)) is not None
+        and _FORMAT_KEYS in raw
+        and bytes_match_digest(raw)
+    )
 
 
 def write_manifest(

@@ -71,10 +71,10 @@ def resolve_roots(
     for i, root in enumerate(roots):
         path = _kvpath.location(root, root_options)
         if isinstance(path, KvPath):
-            _check_writable_object_store(path, f"roots[{i}]", store_timeout_s)
+            check_writable(path, f"roots[{i}]", store_timeout_s)
         else:
             path = path.expanduser().absolute()
-            _check_writable(path, f"roots[{i}]")
+            check_writable(path, f"roots[{i}]", store_timeout_s)
             path = path.resolve()
         if path in resolved:
             raise ValueError(
@@ -85,7 +85,16 @@ def resolve_roots(
     return tuple(resolved) or (None,)
 
 
-def _check_writable(path: pathlib.Path, name: str) -> None:
+def check_writable(path: pathlib.Path | KvPath, name: str, timeout_s: float | None) -> None:
+    """Raises ``ValueError`` naming ``name``, the path and the cause unless a file can be
+    written at ``path`` (made if missing); an object store must answer within ``timeout_s``."""
+    if isinstance(path, KvPath):
+        _check_writable_object_store(path, name, timeout_s)
+    else:
+        _check_writable_local(path, name)
+
+
+def _check_writable_local(path: pathlib.Path, name: str) -> None:
     try:
         _files.make_dirs(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".cocijax-probe-"):
