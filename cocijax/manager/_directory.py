@@ -347,9 +347,12 @@ def merge_options(
         todelete_subdir=None if options.read_only else TRASH_DIR,
         create=not options.read_only,
         # Orbax reads each step's metrics and commit time when it opens; cocijax's retention
-        # reads the metrics it ranks by itself, and the commit times matter to keep_time_interval
-        # only (check_layout has read them anyway; CommittedStepFormat passes them on).
-        lightweight_initialize=options.lightweight_initialize or options.keep_time_interval is None,
+        # reads the metrics it ranks by itself, and the commit times matter to Orbax's
+        # retention only with keep_time_interval or a preservation policy, which may rank
+        # steps by metrics or time (check_layout has read the times anyway;
+        # CommittedStepFormat passes them on).
+        lightweight_initialize=options.lightweight_initialize
+        or (options.keep_time_interval is None and options.preservation_policy is None),
     )
 
 

@@ -93,6 +93,9 @@ def write_step(
                     args=ocp.args.Composite(
                         **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
                     ),
+                    # Orbax's retention ranks its steps by the metrics it is given here (a
+                    # preservation_policy's BestN); the item above is what it reads on open.
+                    metrics=metrics,
                     custom_metadata=custom_metadata,
                     force=True,
                 )
