@@ -20,6 +20,7 @@ from cocijax.storage import _schema
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
     FORMAT,
+    MANIFEST_NAME,
     VERSION,
     CheckpointFormatError,
     LeafRecord,
@@ -146,13 +147,20 @@ def decode_manifest(raw: bytes, source: str) -> Manifest:
 def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> bytes:
     """The file of ``manifest`` (for :func:`write_manifest_bytes`), checked to cover every leaf.
 
+    A reader checks a file written so by its digest alone (``check_committed``), so what is
+    written here is checked as a reader would check it.
+
     Raises:
-      CheckpointFormatError: some leaf is not fully covered by the pieces.
+      CheckpointFormatError: the manifest breaks the schema (e.g. a custom pytree node whose
+        children's keys repeat or mix kinds), or some leaf is not fully covered by the pieces.
     """
+    _schema.check_manifest(manifest, str(item_dir / MANIFEST_NAME))
     _schema.check_coverage(manifest, item_dir)
     return canonical_bytes(_to_json(manifest))
 
 
-def encode_part(part: Manifest) -> bytes:
-    """The file of one process's ``part``; :func:`merge_parts` checks the coverage of all."""
+def encode_part(part: Manifest, source: str = "a manifest part") -> bytes:
+    """The file of one process's ``part`` (to be written at ``source``), checked as a reader
+    checks it; :func:`merge_parts` checks the coverage of all."""
+    _schema.check_manifest(part, source)
     return canonical_bytes(_to_json(part))

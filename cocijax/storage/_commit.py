@@ -181,7 +181,8 @@ class Writer:
         if jax.process_count() == 1:
             encode = functools.partial(_codec.encode_manifest, directory, part)
         else:  # a part: finalize checks that the parts cover every leaf when it merges them
-            encode = functools.partial(_codec.encode_part, part)
+            where = str(_parts.part_path(directory, jax.process_index()))
+            encode = functools.partial(_codec.encode_part, part, where)
         return await asyncio.get_running_loop().run_in_executor(self.pool, encode)
 
     def _chunk_counts(self, pieces: Sequence[_layout.Piece], root: int) -> dict[str, int]:
