@@ -58,10 +58,13 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 # What is_committed found of each step directory it checked inside a checked_once() block:
-# None (committed), or why not.
-_checked: contextvars.ContextVar[dict[Path, str | None] | None] = contextvars.ContextVar(
+# None (committed), or the error that says why not.
+_checked: contextvars.ContextVar[dict[Path, Exception | None] | None] = contextvars.ContextVar(
     "cocijax_checked_steps", default=None
 )
+# Errors that say what a step holds (a file where a directory belongs, or the reverse): damage.
+# Any other OSError says only that the storage did not answer (EIO, EACCES, ESTALE, EMFILE).
+_DAMAGE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 
 def is_committed(step_dir: Path) -> bool:
@@ -74,17 +77,32 @@ def is_committed(step_dir: Path) -> bool:
 
 def _manifest_problem(step_dir: Path) -> str | None:
     """Why ``step_dir`` has no valid manifest (None: it has one); once per checked_once block."""
+    error = _manifest_error(step_dir)
+    return None if error is None else f"no valid manifest: {error}"
+
+
+def _manifest_error(step_dir: Path) -> Exception | None:
     checked = _checked.get()
     if checked is not None and step_dir in checked:
         return checked[step_dir]
     try:
         check_committed(step_dir / STATE_ITEM)
-        problem = None
+        error = None
     except (ValueError, OSError, KeyError, TypeError) as e:
-        problem = f"no valid manifest: {e}"
+        error = e
     if checked is not None:
-        checked[step_dir] = problem
-    return problem
+        checked[step_dir] = error
+    return error
+
+
+def _unreadable(step_dir: Path, error: OSError) -> OSError:
+    """The error of opening a directory whose step ``step_dir`` cannot be read now."""
+    return OSError(
+        error.errno,
+        f"directory: step {step_dir} cannot be read ({error}). An I/O error is not proof of "
+        "damage, so the step is neither skipped nor set aside: open the directory again once "
+        f"the storage answers; if the step is lost for good, move it out of {step_dir.parent}.",
+    )
 
 
 @contextlib.contextmanager
@@ -247,6 +265,11 @@ def check_layout(directory: Path) -> Layout:
     ``_orbax_steps``), Orbax temporary directories, and hidden entries (our lock, identity,
     trash, quarantine and, when ``directory`` is also a root, its stripe folder). An entry that
     vanishes while it is looked at was deleted by a writer: it is skipped.
+
+    Raises:
+      ValueError: an entry neither cocijax nor Orbax wrote (names it).
+      OSError: a step cannot be read (an I/O error, named with the step): it is not taken for
+        damage, which a writer would set aside.
     """
     layout = Layout(damaged=[], orbax={}, committed={})
     for entry in sorted(directory.iterdir()):
@@ -293,15 +316,25 @@ def step_problem(step_dir: Path) -> str | None:
 
 def _read_step(step_dir: Path) -> tuple[datetime.datetime | None, str | None]:
     """(its commit time, None) for a committed step; (None, why not) or (None, None) when it
-    vanished while it was read (a writer deleted it)."""
-    problem = _manifest_problem(step_dir)
-    if problem is not None:
-        return None, problem
+    vanished while it was read (a writer deleted it).
+
+    Raises:
+      OSError: the step cannot be read (an I/O error, not damage: see :func:`_unreadable`).
+    """
+    error = _manifest_error(step_dir)
+    if isinstance(error, OSError) and not isinstance(error, _DAMAGE_ERRORS):
+        raise _unreadable(step_dir, error) from error
+    if error is not None:
+        return None, _manifest_problem(step_dir)
     try:
         metadata = ocp.path.step.Metadata(int(step_dir.name), epath.Path(step_dir))
         return metadata.commit_timestamp, None
     except (FileNotFoundError, NotADirectoryError):
         return None, None if not step_dir.exists() else "its Orbax metadata vanished"
+    except _DAMAGE_ERRORS as e:
+        return None, f"its Orbax metadata cannot be read ({type(e).__name__}: {e})"
+    except OSError as e:
+        raise _unreadable(step_dir, e) from e
     except Exception as e:  # Orbax's own errors of a damaged metadata file are of any type
         return None, f"its Orbax metadata cannot be read ({type(e).__name__}: {e})"
 
