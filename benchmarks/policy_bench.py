@@ -12,8 +12,8 @@ stopped at 80% of its plan) and 0.8 times (a job that runs 25% past its plan).
 on. A manager starting a job knows neither: its first step is not timed (compilation), and no
 cost is known until a save is timed, so it saves early, after the first timed step (step 2), to
 measure one. ``coci, from scratch`` (and ``coci no total, from scratch``) are the saves of the
-managers' own driver on the same curve (:func:`from_scratch`): what starting from nothing, the
-early save included, costs or saves against ``coci`` told everything from step 1.
+managers' own driver on the same curve (``_policy_cases.from_scratch``): what starting from
+nothing, the early save included, costs or saves against ``coci`` told everything from step 1.
 
 Scores are weighted overheads (hindsight weights of :func:`cocijax.sim.progress_weights`,
 time_weight 0.25). Scenarios A and B have Poisson failures: every schedule is scored by its
@@ -40,6 +40,9 @@ The split ``fresh`` holds curves trained after every parameter of ``coci`` was f
 
 Run: ``python benchmarks/policy_bench.py [--trials 1000] [--write]``; ``--write`` records the
 tables in BENCHMARKS.md and the figure in docs/policy_bench.png.
+
+Here: the curves, the speed checks, the tables and the figure; ``_policy_cases`` runs and
+scores one case, ``_policy_targets`` summarises the cases and checks the targets.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _policy_cases import SCENARIOS, TIME_WEIGHT, run_case
+from _policy_targets import summarise, targets
 from _report import cpu_and_ram, write_section
 from rich.console import Console
 from rich.table import Table
@@ -70,17 +75,6 @@ SHARED = Path(os.environ.get("COCIJAX_SHARED_CURVES", ROOT.parent / "shared" / "
 OWN = ROOT / "benchmarks" / "curves"
 DOC_PNG = ROOT / "docs" / "policy_bench.png"
 SECTION = "policy_bench"
-JOB_S = 8 * 3600.0
-TIME_WEIGHT = 0.25
-SCENARIOS = {
-    "A": dict(mtbf_s=7200.0, checkpoint_cost_s=30.0, recovery_s=120.0, weibull_shape=1.0),
-    "B": dict(mtbf_s=2880.0, checkpoint_cost_s=10.0, recovery_s=60.0, weibull_shape=1.0),
-    "C": dict(mtbf_s=7200.0, checkpoint_cost_s=30.0, recovery_s=120.0, weibull_shape=0.7),
-}
-CLASSIC = ("young", "daly", "checkfreq")
-STOPPED_EARLY = "coci, told 1.25 N"
-RAN_OVER = "coci, told 0.8 N"
-SCALES = np.geomspace(0.25, 4.0, 41)
 
 
 def load_curve(path: Path) -> np.ndarray:
@@ -98,138 +92,6 @@ def curves(shared: Path) -> list[tuple[str, str, np.ndarray]]:
             for row in csv.DictReader(f):
                 out.append((row["name"], row["split"], load_curve(OWN / f"{row['name']}.csv")))
     return out
-
-
-def policies_for(n: int, sc: dict) -> dict[str, cj.policies.Policy]:
-    m, r = sc["mtbf_s"], sc["recovery_s"]
-    return {
-        "young": cj.policies.young(m),
-        "daly": cj.policies.daly(m),
-        "checkfreq": cj.policies.checkfreq(0.05),
-        "coci_paper": cj.policies.coci_paper(m),
-        "coci": cj.policies.coci(m, r, TIME_WEIGHT, total_steps=n),
-        "coci no total": cj.policies.coci(m, r, TIME_WEIGHT),
-        # A length declared wrong: the job is stopped at 80% of it, or runs 25% past it.
-        STOPPED_EARLY: cj.policies.coci(m, r, TIME_WEIGHT, total_steps=round(1.25 * n)),
-        RAN_OVER: cj.policies.coci(m, r, TIME_WEIGHT, total_steps=round(0.8 * n)),
-    }
-
-
-def from_scratch(y: np.ndarray, policy: cj.policies.Policy, tau: float, cost: float) -> np.ndarray:
-    """The steps a manager saves at running ``policy`` from scratch over the losses ``y``.
-
-    What the managers' driver (``cocijax.manager.PolicyDriver``) feeds the policy when every
-    step takes ``tau`` and every save ``cost``: no step time for step 1 (not timed) nor step 2
-    (one time is not given until a second confirms it), no cost until the first save is timed
-    (the policy's own prior), and the early save after step 2, which the policy is not told.
-    ``cj.plan`` runs it in one scan; ``tests/manager/test_driver.py`` checks that the driver
-    itself saves at exactly these steps. Like the other rows, the final step is not added.
-    """
-    step_time = np.full(y.size, tau, np.float32)
-    step_time[:2] = np.nan
-    costs = np.full(y.size, cost, np.float32)
-    costs[:2] = np.nan
-    planned = cj.plan(y, policy, step_time_s=step_time, checkpoint_cost_s=costs)
-    if planned.size and planned[0] == 1:  # the policy's own first save measured the cost
-        costs[1] = cost
-        return cj.plan(y, policy, step_time_s=step_time, checkpoint_cost_s=costs)
-    return np.union1d(planned, [2]).astype(np.int64)
-
-
-def windowed_mean(w: np.ndarray, half: int) -> np.ndarray:
-    """The mean of ``w`` over ``[i - half, i + half]`` (clipped to the ends) at every step."""
-    csum = np.concatenate([[0.0], np.cumsum(w)])
-    lo = np.clip(np.arange(w.size) - half, 0, w.size)
-    hi = np.clip(np.arange(w.size) + half + 1, 0, w.size)
-    return (csum[hi] - csum[lo]) / (hi - lo)
-
-
-def density_schedule(density: np.ndarray, tau: float, scale: float) -> np.ndarray:
-    """Save steps where the integral of ``scale * density`` since the last save reaches 1."""
-    steps, acc = [], 0.0
-    for i, d in enumerate(scale * density * tau):
-        acc += d
-        if acc >= 1.0 - 0.5 * d:
-            steps.append(i + 1)
-            acc = 0.0
-    return np.asarray(steps, np.int64)
-
-
-def run_case(y: np.ndarray, sc: dict, trials: int, seed: int) -> dict:
-    n = y.size
-    tau = JOB_S / n
-    w = cj.sim.progress_weights(y, TIME_WEIGHT)
-    poisson = sc["weibull_shape"] == 1.0
-    job = dict(
-        n_steps=n,
-        step_time_s=tau,
-        checkpoint_cost_s=sc["checkpoint_cost_s"],
-        recovery_s=sc["recovery_s"],
-        mtbf_s=sc["mtbf_s"],
-    )
-
-    def score(steps) -> tuple[float, float]:
-        """(weighted, wall) overhead of a schedule."""
-        if poisson:
-            e = cj.sim.expected_overhead(steps, weights=w, **job)
-            return e.weighted_s, e.wall_s
-        r = cj.sim.simulate(
-            steps, weights=w, weibull_shape=sc["weibull_shape"], trials=trials, seed=seed, **job
-        )
-        return r.weighted_overhead_s, r.wall_overhead_s
-
-    res, saves = {}, {}
-    for name, pol in policies_for(n, sc).items():
-        saves[name] = cj.plan(y, pol, step_time_s=tau, checkpoint_cost_s=sc["checkpoint_cost_s"])
-        res[name] = score(saves[name])
-        if poisson and name in ("coci", "coci no total"):  # exact: no Monte Carlo run more
-            scratch = f"{name}, from scratch"
-            saves[scratch] = from_scratch(y, pol, tau, sc["checkpoint_cost_s"])
-            res[scratch] = score(saves[scratch])
-    dens = np.sqrt(w / (2.0 * sc["checkpoint_cost_s"] * sc["mtbf_s"]))
-    heuristic = min((score(density_schedule(dens, tau, a)), a) for a in SCALES)[0]
-    res["density bound"] = heuristic
-    if poisson:
-        kw = {k: job[k] for k in ("step_time_s", "checkpoint_cost_s", "recovery_s", "mtbf_s")}
-        saves["optimal"] = cj.sim.optimal_schedule(w, **kw)
-        res["optimal"] = score(saves["optimal"])
-        young_steps = math.sqrt(2.0 * sc["checkpoint_cost_s"] * sc["mtbf_s"]) / tau
-        trend = windowed_mean(w, int(young_steps / 2))
-        saves["trend oracle"] = cj.sim.optimal_schedule(trend, **kw)
-        res["trend oracle"] = score(saves["trend oracle"])
-    bound = min(res["density bound"], res.get("optimal", (math.inf, 0)))
-    classic = min(res[k][0] for k in CLASSIC)
-
-    def against(name: str, told: str) -> float:
-        return res[name][0] / res[told][0] - 1.0 if name in res else math.nan
-
-    def capture(name: str) -> float:
-        gain = classic - bound[0]
-        return (classic - res[name][0]) / gain if gain > 0 else math.nan
-
-    return dict(
-        n=n,
-        res=res,
-        saves={k: len(v) for k, v in saves.items()},
-        classic=classic,
-        bound=bound[0],
-        bound_red=1.0 - bound[0] / classic,
-        capture=capture("coci"),
-        capture_nt=capture("coci no total"),
-        capture_early=capture(STOPPED_EARLY),
-        capture_over=capture(RAN_OVER),
-        capture_trend=capture("trend oracle") if "trend oracle" in res else math.nan,
-        vs_bound=res["coci"][0] / bound[0] - 1.0,
-        trend_vs_bound=res.get("trend oracle", (math.nan,))[0] / bound[0] - 1.0,
-        vs_classic=res["coci"][0] / classic - 1.0,
-        vs_classic_nt=res["coci no total"][0] / classic - 1.0,
-        vs_classic_early=res[STOPPED_EARLY][0] / classic - 1.0,
-        vs_classic_over=res[RAN_OVER][0] / classic - 1.0,
-        wall_vs_young=res["coci"][1] / res["young"][1],
-        wall_vs_young_nt=res["coci no total"][1] / res["young"][1],
-        scratch_vs_told=against("coci, from scratch", "coci"),
-        scratch_vs_told_nt=against("coci no total, from scratch", "coci no total"),
-    )
 
 
 def replan_ms(repeats: int = 50) -> float:
@@ -281,81 +143,6 @@ def machine() -> str:
         f"{cpu_and_ram()}; {datetime.date.today().isoformat()}; Python "
         f"{platform.python_version()}, jax {jax.__version__}, numpy {np.__version__}"
     )
-
-
-def summarise(rows: list[dict], sets: tuple[str, ...], scens: tuple[str, ...]) -> dict:
-    sel = [r for r in rows if r["set"] in sets and r["scen"] in scens]
-    if not sel:
-        return {}
-    fin = lambda key: [r[key] for r in sel if math.isfinite(r[key])]
-    return dict(
-        cases=len(sel),
-        capture_median=statistics.median(fin("capture")),
-        capture_min=min(fin("capture")),
-        capture_nt_median=statistics.median(fin("capture_nt")),
-        capture_nt_min=min(fin("capture_nt")),
-        capture_early_median=statistics.median(fin("capture_early")),
-        capture_over_median=statistics.median(fin("capture_over")),
-        worst_early=max(r["vs_classic_early"] for r in sel),
-        worst_over=max(r["vs_classic_over"] for r in sel),
-        capture_trend_median=statistics.median(fin("capture_trend") or [math.nan]),
-        capture_trend_min=min(fin("capture_trend") or [math.nan]),
-        vs_bound_median=statistics.median(fin("vs_bound")),
-        vs_bound_max=max(fin("vs_bound")),
-        trend_vs_bound_median=statistics.median(fin("trend_vs_bound") or [math.nan]),
-        trend_vs_bound_max=max(fin("trend_vs_bound") or [math.nan]),
-        worst=max(r["vs_classic"] for r in sel),
-        worst_nt=max(r["vs_classic_nt"] for r in sel),
-        wall=max(max(r["wall_vs_young"], r["wall_vs_young_nt"]) for r in sel),
-        bound_red=statistics.median(r["bound_red"] for r in sel),
-        scratch_median=statistics.median(fin("scratch_vs_told") or [math.nan]),
-        scratch_max=max(fin("scratch_vs_told") or [math.nan]),
-        scratch_nt_median=statistics.median(fin("scratch_vs_told_nt") or [math.nan]),
-        scratch_nt_max=max(fin("scratch_vs_told_nt") or [math.nan]),
-    )
-
-
-def targets(s: dict) -> list[tuple[str, str, str]]:
-    ok = lambda b: "met" if b else "NOT met"
-    rows = [
-        ("median capture >= 90% (coci)", f"{s['capture_median']:.0%}",
-         ok(s["capture_median"] >= 0.9)),
-        ("no case below 70% (coci)", f"min {s['capture_min']:.0%}", ok(s["capture_min"] >= 0.7)),
-        ("no case worse than best classic (coci)", f"worst {s['worst']:+.2%}", ok(s["worst"] <= 0)),
-        (
-            "median capture >= 75% (no total)",
-            f"{s['capture_nt_median']:.0%}",
-            ok(s["capture_nt_median"] >= 0.75),
-        ),
-        (
-            "no case worse than best classic by > 1% (no total)",
-            f"worst {s['worst_nt']:+.2%}",
-            ok(s["worst_nt"] <= 0.01),
-        ),
-        ("wall overhead <= 1.4x Young's (both)", f"max {s['wall']:.2f}x", ok(s["wall"] <= 1.4)),
-        ("coci's weighted overhead above the bound (median, max)",
-         f"{s['vs_bound_median']:+.1%}, max {s['vs_bound_max']:+.1%}", "measure"),
-        ("coci told 1.25 N (stopped at 80%): capture (median), worst vs best classic",
-         f"{s['capture_early_median']:.0%}, worst {s['worst_early']:+.2%}", "measure"),
-        ("coci told 0.8 N (ran 25% over): capture (median), worst vs best classic",
-         f"{s['capture_over_median']:.0%}, worst {s['worst_over']:+.2%}", "measure"),
-    ]  # fmt: skip
-    if math.isfinite(s["capture_trend_median"]):  # A and B: exact expectations
-        rows += [
-            ("coci from scratch (early save at step 2) within +1% of coci told step time and "
-             "cost from step 1 (median; max)",
-             f"{s['scratch_median']:+.2%}; max {s['scratch_max']:+.2%}",
-             ok(s["scratch_median"] <= 0.01)),
-            ("the same, coci no total (median; max)",
-             f"{s['scratch_nt_median']:+.2%}; max {s['scratch_nt_max']:+.2%}",
-             ok(s["scratch_nt_median"] <= 0.01)),
-            ("reference: the trend oracle's capture (median, min)",
-             f"{s['capture_trend_median']:.0%}, min {s['capture_trend_min']:.0%}", "reference"),
-            ("reference: the trend oracle above the bound (median, max)",
-             f"{s['trend_vs_bound_median']:+.1%}, max {s['trend_vs_bound_max']:+.1%}",
-             "reference"),
-        ]  # fmt: skip
-    return rows
 
 
 def plot(rows: list[dict]) -> None:

@@ -5,20 +5,25 @@ A cycle makes a module's names depend on the order the package happens to be imp
 marks two modules that hold one concept between them. ``import cocijax.torch`` must not import
 Orbax or TensorStore: a PyTorch user needs neither (the managers share only the framework-neutral
 core, ``cocijax.core``). Orbax's private modules (``orbax.checkpoint._src``) change without
-notice: ``cocijax/_orbax_compat.py`` is the one module that imports them.
+notice: ``cocijax/_orbax_compat.py`` is the one module that imports them. A module of the package
+or of ``benchmarks/`` has at most ``MAX_LINES`` lines, and a function of the package at most
+``MAX_FUNCTION_LINES`` lines of code (its docstring left out): past that, split it by concept.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "cocijax"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 ORBAX_PRIVATE = "orbax.checkpoint._src"
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -115,3 +120,62 @@ def orbax_private_imports() -> list[str]:
 
 def test_only_the_compat_module_imports_orbax_private_modules():
     assert orbax_private_imports() == ["_orbax_compat.py: orbax.checkpoint._src.metadata"]
+
+
+def long_modules(*roots: pathlib.Path, limit: int = MAX_LINES) -> list[str]:
+    """``file: n lines`` for every module under ``roots`` longer than ``limit`` lines."""
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > limit:
+                found.append(f"{path.relative_to(root.parent)}: {lines} lines (at most {limit})")
+    return found
+
+
+def code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of ``function`` from its first statement after the docstring to its end."""
+    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+    return function.end_lineno - body[0].lineno + 1 if body else 0
+
+
+def long_functions(root: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file: function: n lines`` for every function under ``root`` with more than ``limit``
+    lines of code (:func:`code_lines`; a nested function counts in its own and its outer's)."""
+    found = []
+
+    def visit(node: ast.AST, path: pathlib.Path, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}."
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = code_lines(child)
+                if lines > limit:
+                    where = path.relative_to(root.parent)
+                    found.append(f"{where}: {name[:-1]}: {lines} lines of code (at most {limit})")
+            visit(child, path, name)
+
+    for path in sorted(root.rglob("*.py")):
+        visit(ast.parse(path.read_text()), path, "")
+    return found
+
+
+def test_the_size_checks_find_a_long_module_and_a_long_function(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    statements = "".join(f"        x{i} = {i}\n" for i in range(81))
+    (package / "a.py").write_text(
+        'class A:\n    def method(self):\n        """Doc."""\n' + statements
+        + 'def short():\n    """Doc.\n\n    A docstring does not count.\n    """\n    return 1\n'
+    )  # fmt: skip
+    (package / "b.py").write_text("pass\n" * 120)
+    assert long_functions(package) == [f"pkg{os.sep}a.py: A.method: 81 lines of code (at most 80)"]
+    assert long_functions(package, limit=81) == []
+    assert long_modules(package, limit=100) == [f"pkg{os.sep}b.py: 120 lines (at most 100)"]
+    assert long_modules(package, limit=120) == []
+
+
+def test_modules_are_at_most_500_lines_and_functions_at_most_80_lines_of_code():
+    too_long = long_modules(PACKAGE, BENCHMARKS) + long_functions(PACKAGE)
+    assert not too_long, "split by concept:\n" + "\n".join(too_long)

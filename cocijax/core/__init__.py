@@ -5,8 +5,9 @@ DCP) are thin backends over this package: they write, list, delete and read thei
 what a manager *decides* lives here, once:
 
 * the contract and its errors (``_contract``: :class:`ManagerProtocol`, step checks);
-* the policy driver (``_driver``: measured step time and cost, the loss read late, the policy
-  fed at its check steps, its state to and from JSON);
+* the policy driver (``_driver``: the policy fed at its check steps, the first save early),
+  what it feeds the policy (``_policy_inputs``: robust measured step time and cost, the cost
+  prior, the loss read late) and the policy state's JSON format (``_policy_state``);
 * the job's run history (``_history``: failures, uptime, learned MTBF and recovery time);
 * the writer's lock (``_lock``);
 * preemption signals turned into one save per manager, and the job's end (``_preemption``);

@@ -14,26 +14,26 @@ job needs to continue the same schedule.
 **Robust inputs.** A process stopped for a while (``SIGSTOP``, a debugger, a suspended VM) or
 a clock that jumps makes one interval far longer than the job's pace, or negative. Fed as they
 were, one jump of 10^6 s made Young's rule save 54 steps in a row, or never again when it fell
-inside a save. So the policy is fed the median of the last :data:`RECENT` measurements of each
-time, a negative interval is no measurement, and a save's cost counts at most
-:data:`COST_JUMP` times the estimate before it: one pause never reaches the policy, and a
-lasting change does from its second measurement (a disk 100 times slower from its fourth
-save). A single step time is not fed until a second one confirms it: the policies smooth the
-step time from its first value on, so a paused first step would have misled them for hundreds
-of steps.
+inside a save. So the policy is fed the median of the last ``RECENT`` measurements of each
+time, a negative interval is no measurement, and a save's cost counts at most ``COST_JUMP``
+times the estimate before it (:mod:`cocijax.core._policy_inputs`): one pause never reaches the
+policy, and a lasting change does from its second measurement (a disk 100 times slower from its
+fourth save). A single step time is not fed until a second one confirms it: the policies smooth
+the step time from its first value on, so a paused first step would have misled them for
+hundreds of steps.
 
 **The first save comes early.** While no save cost is known (a fresh job; not one that
 restored the cost its checkpoint measured), the driver saves after the first timed step, the
 second after opening (the first includes compilation): that save measures the real cost at
 once and protects the job from its first minutes on. Until then the policy is given a cost
-prior from the state's size (:func:`prior_cost_s`; the managers give the size at their first
-``save`` call), unless it was built with a ``cost_prior_s`` of its own, which wins. A policy
-whose decisions do not depend on the cost (``fixed``: ``Policy.uses_cost``) gets no early save.
+prior from the state's size (:func:`~cocijax.core._policy_inputs.prior_cost_s`; the managers
+give the size at their first ``save`` call), unless it was built with a ``cost_prior_s`` of its
+own, which wins. A policy whose decisions do not depend on the cost (``fixed``:
+``Policy.uses_cost``) gets no early save.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import math
@@ -46,41 +46,14 @@ import jax
 import numpy as np
 
 from cocijax._validate import POSITIVE, check
+from cocijax.core import _policy_state
 from cocijax.core._contract import Measurements
 from cocijax.core._history import RunHistory
+from cocijax.core._policy_inputs import COST_JUMP, RecentTimes, prior_cost_s, read_loss
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
 from cocijax.policies._base import DEFAULT_COST_PRIOR_S
 
-__all__ = [
-    "PolicyDriver",
-    "check_policy",
-    "manager_driver",
-    "prior_cost_s",
-    "read_loss",
-    "stage_loss",
-    "tree_nbytes",
-]
-
-# The policy is fed the median of this many recent measurements of a time (module docstring).
-RECENT = 3
-# A save's measured cost counts at most this many times the estimate before it (before any,
-# the prior but at least 10 s): a pause inside the early save cannot make the policy stop
-# saving, and a cost that really grew 100 times is followed within four saves.
-COST_JUMP = 10.0
-# The cost prior: a fixed part and the state written at a conservative rate. 100 MiB/s is a
-# slow network file system or one disk; every save measured on the 2-core development machine
-# blocked for less (its first save 400 MiB/s, a save waiting for the one before it 128 MiB/s
-# under load), and the blocking part of an asynchronous save on an accelerator is a copy to
-# host memory, faster still. The fixed part covers a small state's first save (28 ms to 160 ms
-# measured there). A prior above the truth errs towards saves that seem dear: the early save
-# measures the real cost within two steps anyway.
-PRIOR_WRITE_RATE_BPS = 100 * 2**20
-PRIOR_FIXED_S = 0.2
-
-# /2 records each leaf's key path, so a policy whose state gained fields still loads older
-# states (new fields start at their initial values); /1 (cocijax 0.1) matched by position.
-_FORMAT = "cocijax.policy_state/2"
-_FORMATS = ("cocijax.policy_state/1", _FORMAT)
+__all__ = ["PolicyDriver", "check_policy", "manager_driver"]
 
 
 def check_policy(policy: Any) -> None:
@@ -124,136 +97,6 @@ def manager_driver(
     return functools.partial(
         PolicyDriver, policy, clock=clock, prior_mtbf_s=prior, save_final_step=True
     )
-
-
-def prior_cost_s(nbytes: float) -> float:
-    """The save cost assumed before one is measured, for a state of ``nbytes`` bytes.
-
-    ``PRIOR_FIXED_S`` plus the state written at ``PRIOR_WRITE_RATE_BPS`` (see there).
-    """
-    return PRIOR_FIXED_S + max(float(nbytes), 0.0) / PRIOR_WRITE_RATE_BPS
-
-
-def tree_nbytes(tree: Any) -> int:
-    """Bytes of the arrays in a pytree (its global size: shards of other processes count)."""
-    return sum(int(getattr(leaf, "nbytes", 0) or 0) for leaf in jax.tree.leaves(tree))
-
-
-def stage_loss(loss: Any) -> Any:
-    """Checks that ``loss`` is a scalar and starts its copy to host without waiting for it.
-
-    Args:
-      loss: a Python number, a NumPy scalar or a jax/NumPy array with one element.
-
-    Returns:
-      ``loss`` itself; a ``jax.Array`` has had ``copy_to_host_async`` called on it.
-
-    Raises:
-      TypeError: ``loss`` is not a number or an array.
-      ValueError: ``loss`` has more than one element.
-    """
-    if isinstance(loss, bool) or loss is None:
-        raise TypeError(f"loss: expected a scalar number or array, got {loss!r}.")
-    if isinstance(loss, int | float | np.number):
-        return loss
-    size = getattr(loss, "size", None)
-    if size is None:
-        raise TypeError(f"loss: expected a scalar number or array, got {type(loss).__name__}.")
-    if size != 1:
-        raise ValueError(
-            f"loss: expected a scalar (one element), got shape {tuple(loss.shape)}; "
-            "pass the mean training loss of the step."
-        )
-    if isinstance(loss, jax.Array):
-        # Starts the device-to-host copy now; `read_loss` one step later then finds it done.
-        loss.copy_to_host_async()
-    return loss
-
-
-def read_loss(loss: Any) -> float:
-    """Returns ``loss`` (as accepted by :func:`stage_loss`) as a Python float; may block."""
-    if loss is None:
-        return math.nan
-    if isinstance(loss, jax.Array) and not loss.is_fully_addressable:
-        # A globally sharded scalar: each process reads its own copy (the manager broadcasts
-        # process 0's value before deciding, so the copies need not agree).
-        loss = loss.addressable_data(0)
-    return float(np.asarray(loss).reshape(()))
-
-
-def _encode(leaf: Any) -> dict[str, Any]:
-    array = np.asarray(leaf)
-    return {
-        "dtype": str(array.dtype),
-        "shape": list(array.shape),
-        # Raw bytes keep NaN payloads and every float bit exact, unlike a JSON number.
-        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii"),
-    }
-
-
-def _decode(entry: dict[str, Any], like: jax.ShapeDtypeStruct, where: str) -> np.ndarray:
-    dtype = jax.numpy.dtype(entry["dtype"])  # knows bfloat16, unlike np.dtype
-    shape = tuple(entry["shape"])
-    if dtype != like.dtype or shape != like.shape:
-        raise ValueError(
-            f"{where}: policy state leaf is {dtype}{list(shape)} on disk but "
-            f"{like.dtype}{list(like.shape)} for this policy."
-        )
-    raw = base64.b64decode(entry["data"])
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-
-
-class _Recent:
-    """The last :data:`RECENT` measurements of one time, and their robust value.
-
-    Args:
-      values: measurements already taken (a restored checkpoint's), oldest first.
-      jump: a new measurement counts at most this many times the value before it.
-
-    Attributes:
-      value: the median of the measurements (the lower middle of two), or NaN without any;
-        kept up to date by :meth:`add`, since a manager reads it at every step.
-    """
-
-    __slots__ = ("jump", "value", "values")
-
-    def __init__(self, values: list[float] | tuple[float, ...] = (), *, jump: float = math.inf):
-        self.values = list(values)[-RECENT:]
-        self.jump = jump
-        self._update()
-
-    def _update(self) -> None:
-        ordered = sorted(self.values)
-        self.value = ordered[(len(ordered) - 1) // 2] if ordered else math.nan
-
-    def copy(self) -> _Recent:
-        return _Recent(self.values, jump=self.jump)
-
-    def add(self, sample: float, reference: float = math.nan) -> None:
-        """Records a measurement; a negative or NaN one (a clock that jumped back) is none.
-
-        Args:
-          sample: the measured seconds.
-          reference: what a first measurement is capped against (``jump`` times it), if finite.
-        """
-        if not sample >= 0.0:
-            return
-        if self.values:
-            reference = self.value
-        if reference < math.inf:  # False for NaN too
-            sample = min(sample, self.jump * reference)
-        self.values.append(float(sample))
-        if len(self.values) > RECENT:
-            del self.values[0]
-        self._update()
-
-
-def _recent(saved: Any, fallback: Any) -> list[float]:
-    """Measurements saved with a checkpoint, or ``[fallback]``; never a value a job cannot have."""
-    ok = lambda v: type(v) in (int, float) and 0.0 <= v < math.inf
-    if isinstance(saved, list) and 0 < len(saved) <= RECENT and all(map(ok, saved)):
-        return [float(v) for v in saved]
-    return [float(fallback)] if ok(fallback) else []
 
 
 def _broadcast_from_process_0(values: np.ndarray) -> np.ndarray:
@@ -333,10 +176,10 @@ class PolicyDriver:
         self.step: int | None = None
         self.cost_s = math.nan
         self.loss: Any = math.nan
-        self._step_times = _Recent()
+        self._step_times = RecentTimes()
         self._timed_steps = 0  # step times measured (two for a checkpoint's: its job fed them)
         self._rough_step_times = False  # they are only upper bounds (see _measured)
-        self._costs = _Recent(jump=COST_JUMP)
+        self._costs = RecentTimes(jump=COST_JUMP)
         # The cost assumed until one is measured (module docstring): from the state's size,
         # once a manager tells it; NaN lets the policy use its own ``cost_prior_s``, which
         # wins when it was given one.
@@ -414,8 +257,9 @@ class PolicyDriver:
 
         Args:
           step: the completed training step (1-based).
-          loss: its loss: a number or a staged one-element array (see :func:`stage_loss`),
-            read only at the policy's next check.
+          loss: its loss: a number or a staged one-element array (see
+            :func:`~cocijax.core._policy_inputs.stage_loss`), read only at the policy's next
+            check.
 
         Returns:
           True when the policy says to checkpoint after this step, it is the final step
@@ -515,33 +359,14 @@ class PolicyDriver:
         }
 
     def to_json(self, snapshot: dict[str, Any], *, cost_s: float | None = None) -> dict[str, Any]:
-        """Serialises a :meth:`snapshot`.
+        """Serialises a :meth:`snapshot` (the format: :mod:`cocijax.core._policy_state`).
 
         Args:
           snapshot: what :meth:`snapshot` captured.
           cost_s: the measured cost of the save that records it (taken after the snapshot);
             None when the snapshot holds every cost measured.
         """
-        costs = snapshot["costs"].copy()
-        if cost_s is None:
-            cost_s = snapshot["cost_s"]
-        else:  # as the costs are once this save's is measured
-            costs.add(cost_s, snapshot["cost_reference"])
-        return {
-            "format": _FORMAT,
-            "state_type": snapshot["state_type"],
-            "policy_state": [
-                {"path": jax.tree_util.keystr(path), **_encode(leaf)}
-                for path, leaf in snapshot["leaves"]
-            ],
-            "step": snapshot["step"],
-            "step_time_s": snapshot["step_times"].value,
-            "cost_s": max(cost_s, 0.0),
-            # What the robust inputs rest on, so that a restarted job feeds the same values.
-            "recent": {"step_time_s": snapshot["step_times"].values, "cost_s": costs.values},
-            "loss": read_loss(snapshot["loss"]),
-            "history": snapshot["history"],
-        }
+        return _policy_state.to_json(snapshot, cost_s=cost_s)
 
     def load_json(self, data: dict[str, Any], *, where: str) -> None:
         """Adopts state written by :meth:`to_json`.
@@ -553,60 +378,14 @@ class PolicyDriver:
         Raises:
           ValueError: the data was written by something else or by a different policy.
         """
-        if not isinstance(data, dict) or data.get("format") not in _FORMATS:
-            raise ValueError(f"{where}: not a cocijax policy state (expected format {_FORMAT}).")
-        # Shapes and dtypes only: running init eagerly compiled every operation in it (COCI's:
-        # ~0.45 s in a fresh process); its values are needed only for fields missing on disk.
-        initial = jax.eval_shape(self.policy.init)
-        template, treedef = jax.tree_util.tree_flatten_with_path(initial)
-        paths = [jax.tree_util.keystr(path) for path, _ in template]
-        entries = data.get("policy_state")
-        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            raise ValueError(f"{where}: the policy state on disk is not a list of leaves.")
-        state_type = type(initial).__name__
-        if data.get("state_type", state_type) != state_type:  # /1 did not record it
-            raise ValueError(
-                f"{where}: the policy state on disk is a {data['state_type']}, this policy's a "
-                f"{state_type}: it was saved by another policy"
-            )
-        if all("path" in entry for entry in entries):
-            by_path = {entry["path"]: entry for entry in entries}
-            unknown = sorted(by_path.keys() - set(paths))
-            if unknown:
-                raise ValueError(
-                    f"{where}: the policy state on disk has fields this policy does not "
-                    f"({', '.join(unknown[:3])}): it was saved by another policy"
-                )
-        elif len(entries) == len(template):
-            by_path = dict(zip(paths, entries, strict=True))
-        else:
-            raise ValueError(
-                f"{where}: the policy state on disk has {len(entries)} leaves, this policy "
-                f"{len(template)}: it was saved by another policy or an older cocijax"
-            )
         # Everything is decoded before anything is adopted: a damaged file changes nothing.
-        try:
-            # Fields added to the policy since the state was saved keep their initial values.
-            values = jax.tree.leaves(self.policy.init()) if set(paths) - by_path.keys() else None
-            leaves = [
-                _decode(by_path[path], like, f"{where} (leaf {path})")
-                if path in by_path
-                else values[i]
-                for i, (path, (_, like)) in enumerate(zip(paths, template, strict=True))
-            ]
-            step = None if data["step"] is None else int(data["step"])
-            step_time, cost, loss = (float(data[k]) for k in ("step_time_s", "cost_s", "loss"))
-            recent = data.get("recent") or {}
-            step_times = _Recent(_recent(recent.get("step_time_s"), step_time))
-            costs = _Recent(_recent(recent.get("cost_s"), cost), jump=COST_JUMP)
-        except (KeyError, TypeError, AttributeError, OverflowError, ValueError) as e:
-            raise ValueError(f"{where}: the policy state on disk is malformed ({e!r})") from e
-        self.runner.state = jax.tree.unflatten(treedef, leaves)
-        self.step = step
-        self._step_times, self._costs, self.loss = step_times, costs, loss
-        self._timed_steps = 2 if step_times.values else 0
+        saved = _policy_state.from_json(data, self.policy, where=where)
+        self.runner.state = saved.policy_state
+        self.step = saved.step
+        self._step_times, self._costs, self.loss = saved.step_times, saved.costs, saved.loss
+        self._timed_steps = 2 if saved.step_times.values else 0
         self._rough_step_times = False
-        self.cost_s = cost if cost >= 0.0 else math.nan
+        self.cost_s = saved.cost_s if saved.cost_s >= 0.0 else math.nan
 
     def adopt(self, data: Any, *, where: str, stacklevel: int, history: bool = False) -> bool:
         """Adopts a saved policy state (:meth:`load_json`), or warns once that it cannot.
@@ -628,8 +407,10 @@ class PolicyDriver:
         """
         try:
             if history and self.history is not None:
-                if not isinstance(data, dict) or data.get("format") not in _FORMATS:
-                    raise ValueError(f"{where}: not a cocijax policy state (expected {_FORMAT})")
+                if not _policy_state.is_policy_state(data):
+                    raise ValueError(
+                        f"{where}: not a cocijax policy state (expected {_policy_state.FORMAT})"
+                    )
                 damage = self.history.adopt(data.get("history"))
                 if damage:
                     raise ValueError(f"{where}: the job history on disk is damaged ({damage})")

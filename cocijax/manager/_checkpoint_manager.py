@@ -43,8 +43,8 @@ from cocijax.core._contract import (
     check_step,
     check_step_order,
 )
-from cocijax.core._driver import stage_loss, tree_nbytes
 from cocijax.core._history import failed_exit, process_age_s
+from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
 from cocijax.manager import _opening, _restoring, _saving
 from cocijax.manager._directory import (

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
-from cocijax.core._driver import PolicyDriver, stage_loss
+from cocijax.core._driver import PolicyDriver
+from cocijax.core._policy_inputs import stage_loss
 
 __all__ = ["SaveDecisionPolicy"]
 

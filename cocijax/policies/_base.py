@@ -285,7 +285,7 @@ def check_mtbf(mtbf_s: float | None, prior_mtbf_s: float | None) -> tuple[float 
 
 
 # The checkpoint cost a policy assumes until one is measured, when its constructor is given
-# none. The managers give one instead, from the state's size (``cocijax.manager._driver``).
+# none. The managers give one instead, from the state's size (``cocijax.core._policy_inputs``).
 DEFAULT_COST_PRIOR_S = 10.0
 
 

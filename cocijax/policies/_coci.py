@@ -59,6 +59,7 @@ expects, and the plan is redone after each save and every ``replan_fraction`` of
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -187,7 +188,10 @@ def coci(
         raise ValueError(f"min_points must be an integer >= 2, got {min_points!r}.")
     min_points = int(min_points)
     cost_prior = _base.check_cost_prior(cost_prior_s)
-    known_end = total_steps is not None
+    cfg = _Settings(
+        given_mtbf, prior_mtbf, given_rec, prior_rec, tw, total_steps, wmax, p, h_lo, h_hi, rf,
+        min_points, cost_prior,
+    )  # fmt: skip
     # Transfers of numpy scalars: jnp.zeros, jnp.asarray and their like compile an XLA program
     # each when run eagerly (constructing the policy took 147 ms in a fresh process, now 9 ms).
     nan, zero = jax.device_put(np.float32(np.nan)), jax.device_put(np.float32(0.0))
@@ -199,135 +203,16 @@ def coci(
             jnp.zeros(bins + 1, jnp.float32),
             jnp.ones(bins, jnp.float32),
             jnp.zeros(bins + 1, jnp.float32),
-            _horizon.costs(1.0, cost_prior, assumed_recovery(prior_mtbf), prior_mtbf),
+            _horizon.costs(1.0, cost_prior, _assumed_recovery(cfg, prior_mtbf), prior_mtbf),
         )
         return CociState(
             _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
             empty, izero, izero, zero, nan,
         )  # fmt: skip
 
-    def assumed_recovery(mtbf):
-        return jnp.minimum(prior_rec, PRIOR_RECOVERY_MTBF_SHARE * mtbf)
-
-    def forecast(w_now, k):
-        """Weight at step positions ``s >= k``: the excess over ``tw`` decays as the rate."""
-        return lambda s: tw + (w_now - tw) * jnp.power(k / jnp.maximum(s, k), p + 1.0)
-
-    def make_plan(w_now, k, n_end, costs, end_known):
-        weight_at = forecast(w_now, k)
-        per_step = lambda s: (
-            jnp.sqrt(costs.lam * weight_at(s) / (2.0 * costs.cost)) * costs.step_time
-        )
-        edges, reaches_end = _horizon.edges_for(k, n_end, per_step)
-        weights = weight_at(0.5 * (edges[1:] + edges[:-1]))
-        plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges), costs)
-        return _horizon.values(plan, end_without_save=end_known & reaches_end)
-
-    def rule(state: CociState, seen: _base.Seen):
-        clock, is_new, dt = _base.clock_tick(state.clock, seen)
-        tau, cost = _base.smoothed(clock, cost_prior)
-        k = clock.last_step.astype(jnp.float32)
-        mtbf = _base.resolve(given_mtbf, seen.mtbf_s, prior_mtbf)
-        rec_s = _base.resolve(given_rec, seen.recovery_s, assumed_recovery(mtbf), zero_ok=True)
-        # The plan is open-ended (edges_for stops at its own horizon) without total_steps, and
-        # past it: a job that runs on after all is one of unknown length and stays protected
-        # (a plan that ended at total_steps would never save again).
-        end_known = (k <= total_steps) if known_end else jnp.zeros((), bool)
-        n_total = jnp.where(end_known, jnp.float32(total_steps or 0), jnp.float32(2.0**30))
-        n_open = jnp.maximum(math.sqrt(h_lo * h_hi) * k, k + 1.0)
-        span = jnp.maximum(3.0, jnp.where(end_known, n_total, n_open) / 200.0)
-
-        count, level, slow, envelope, start, rate, rate_hat = _track(
-            state, seen.loss, is_new, span, trend=not known_end
-        )  # rate_hat: loss drop per step (NaN: not enough losses yet)
-
-        def weight_if_ends_at(n_end):
-            still = rate_hat * k * (1.0 - jnp.power(k / n_end, p)) / p
-            mean_drop = ((start - envelope) + jnp.maximum(still, 0.0)) / n_end
-            ready = (count >= min_points) & (mean_drop > 0) & (rate_hat >= 0)
-            w = tw + (1.0 - tw) * rate_hat / jnp.where(ready, mean_drop, 1.0)
-            return jnp.where(ready & jnp.isfinite(w), jnp.clip(w, tw, wmax), 1.0)
-
-        w_lo = weight_if_ends_at(jnp.maximum(h_lo * k, k + 1.0))
-        w_hi = weight_if_ends_at(jnp.maximum(h_hi * k, k + 1.0))
-        w = jnp.clip(_between(w_lo, w_hi), tw, wmax)
-        if known_end:
-            w = jnp.where(end_known, weight_if_ends_at(n_total), w)
-        exposure = state.exposure + w * dt
-
-        costs = _horizon.costs(tau, cost, rec_s, mtbf)
-        interval = 1.0 / (jnp.sqrt(costs.lam * w / (2.0 * cost)) * tau)  # steps, first order
-        stale = (state.plan_step == 0) | (state.plan.edges[-1] <= k)  # none, or run out
-        stale = stale | (k >= state.plan_step + jnp.maximum(rf * interval, 1.0))
-        # A plan decides in its own cost model: redo it when the measurements moved away.
-        moved = jnp.stack([a / b for a, b in zip(costs, state.plan.costs, strict=True)])
-        stale = stale | jnp.any(jnp.abs(jnp.log(jnp.maximum(moved, 1e-30))) > REPLAN_DRIFT)
-
-        def replan(_):
-            plan = make_plan(w, k, n_total, costs, end_known)
-            rollback = _horizon.value_before(
-                plan,
-                behind=(k - state.last_save.astype(jnp.float32)) * tau,
-                exposure=exposure,
-                end_without_save=end_known & (plan.edges[-1] >= n_total),
-            )
-            return plan, clock.last_step, rollback
-
-        def check(_):
-            plan, plan_step, rollback = jax.lax.cond(
-                stale, replan, lambda _: (state.plan, state.plan_step, state.rollback), None
-            )
-            save, next_edge = _horizon.decide(
-                plan,
-                step=k,
-                exposure=exposure,
-                rollback_value=rollback,
-                end_without_save=end_known & (plan.edges[-1] >= n_total),
-            )
-            # A save after the last step, or with no timed training since the last one,
-            # protects nothing.
-            save = save & (k < n_total) & (clock.since_save > 0)
-            replan_at = plan_step.astype(jnp.float32) + jnp.maximum(rf * interval, 1.0)
-            next_check = _base.halfway(seen.step, jnp.minimum(next_edge, replan_at) - k)
-            # A new segment starts here: plan it from here now, so its value is exact.
-            plan, plan_step, rollback = jax.lax.cond(
-                save,
-                lambda _: (lambda p: (p, clock.last_step, p.values[0]))(
-                    make_plan(w, k, n_total, costs, end_known)
-                ),
-                lambda _: (plan, plan_step, rollback),
-                None,
-            )
-            return save, plan, plan_step, rollback, next_check
-
-        def skip(_):
-            return (
-                jnp.zeros((), bool), state.plan, state.plan_step, state.rollback,
-                clock.next_check,
-            )  # fmt: skip
-
-        save, plan, plan_step, rollback, next_check = jax.lax.cond(
-            _base.checking(clock, seen.step), check, skip, None
-        )
-        return save, CociState(
-            clock=_base.clock_saved(clock, save, seen.step, next_check),
-            count=count,
-            level=level,
-            slow=slow,
-            envelope=envelope,
-            start=start,
-            rate=rate,
-            exposure=jnp.where(save, 0.0, exposure),
-            weight=w,
-            plan=plan,
-            plan_step=plan_step,
-            last_save=jnp.where(save, clock.last_step, state.last_save),
-            rollback=rollback,
-        )
-
     return _base.make_policy(
         init,
-        rule,
+        functools.partial(_rule, cfg),
         total_steps=total_steps,
         mtbf_s=given_mtbf,
         recovery_s=given_rec,
@@ -335,7 +220,209 @@ def coci(
     )
 
 
-def _track(state: CociState, loss, is_new, span, *, trend: bool):
+class _Settings(NamedTuple):
+    """The checked arguments of :func:`coci` (Python numbers: constants of the jitted rule)."""
+
+    given_mtbf: float | None  # mtbf_s
+    prior_mtbf: float  # prior_mtbf_s, or its default
+    given_rec: float | None  # recovery_s
+    prior_rec: float  # prior_recovery_s
+    tw: float  # time_weight
+    total_steps: int | None
+    wmax: float  # max_weight
+    decay: float
+    h_lo: float  # horizon_range
+    h_hi: float
+    rf: float  # replan_fraction
+    min_points: int
+    cost_prior: float  # cost_prior_s, or the default
+
+
+class _Now(NamedTuple):
+    """What :func:`_rule` knows at the current step, for the check (:func:`_check`)."""
+
+    clock: _base.Clock  # ticked by this step
+    step: jnp.ndarray  # the step as given (``seen.step``)
+    k: jnp.ndarray  # float32, the largest step seen
+    tau: jnp.ndarray  # float32, the smoothed step time
+    costs: _horizon.Costs  # the cost model of a plan made now
+    w: jnp.ndarray  # float32, the weight of the current step
+    exposure: jnp.ndarray  # float32, weighted seconds of work since the last save
+    interval: jnp.ndarray  # float32, the first-order save interval in steps
+    end_known: jnp.ndarray  # bool, the job ends at ``total_steps``
+    n_total: jnp.ndarray  # float32, the last step (2**30 when unknown)
+
+
+def _rule(cfg: _Settings, state: CociState, seen: _base.Seen):
+    """One step of :func:`coci`: the estimates fed, and at a check step the decision."""
+    clock, is_new, dt = _base.clock_tick(state.clock, seen)
+    tau, cost = _base.smoothed(clock, cfg.cost_prior)
+    k = clock.last_step.astype(jnp.float32)
+    mtbf = _base.resolve(cfg.given_mtbf, seen.mtbf_s, cfg.prior_mtbf)
+    rec_s = _base.resolve(
+        cfg.given_rec, seen.recovery_s, _assumed_recovery(cfg, mtbf), zero_ok=True
+    )
+    # The plan is open-ended (edges_for stops at its own horizon) without total_steps, and
+    # past it: a job that runs on after all is one of unknown length and stays protected
+    # (a plan that ended at total_steps would never save again).
+    known_end = cfg.total_steps is not None
+    end_known = (k <= cfg.total_steps) if known_end else jnp.zeros((), bool)
+    n_total = jnp.where(end_known, jnp.float32(cfg.total_steps or 0), jnp.float32(2.0**30))
+    n_open = jnp.maximum(math.sqrt(cfg.h_lo * cfg.h_hi) * k, k + 1.0)
+    span = jnp.maximum(3.0, jnp.where(end_known, n_total, n_open) / 200.0)
+
+    track = _track(state, seen.loss, is_new, span, trend=not known_end)
+    w = _weight(cfg, track, k, end_known, n_total)
+    exposure = state.exposure + w * dt
+
+    costs = _horizon.costs(tau, cost, rec_s, mtbf)
+    interval = 1.0 / (jnp.sqrt(costs.lam * w / (2.0 * cost)) * tau)  # steps, first order
+    now = _Now(clock, seen.step, k, tau, costs, w, exposure, interval, end_known, n_total)
+    stale = _plan_is_stale(cfg, state, now)
+
+    def skip(_):
+        return (
+            jnp.zeros((), bool), state.plan, state.plan_step, state.rollback, clock.next_check,
+        )  # fmt: skip
+
+    save, plan, plan_step, rollback, next_check = jax.lax.cond(
+        _base.checking(clock, seen.step), lambda _: _check(cfg, state, now, stale), skip, None
+    )
+    return save, CociState(
+        clock=_base.clock_saved(clock, save, seen.step, next_check),
+        count=track.count,
+        level=track.level,
+        slow=track.slow,
+        envelope=track.envelope,
+        start=track.start,
+        rate=track.rate,
+        exposure=jnp.where(save, 0.0, exposure),
+        weight=w,
+        plan=plan,
+        plan_step=plan_step,
+        last_save=jnp.where(save, clock.last_step, state.last_save),
+        rollback=rollback,
+    )
+
+
+def _assumed_recovery(cfg: _Settings, mtbf):
+    """The recovery time assumed before one is measured: the prior, at most a share of the MTBF."""
+    return jnp.minimum(cfg.prior_rec, PRIOR_RECOVERY_MTBF_SHARE * mtbf)
+
+
+def _weight_if_ends_at(cfg: _Settings, track: _Track, k, n_end):
+    """The weight ``w`` of step ``k`` if the job ends at step ``n_end`` (module docstring).
+
+    The current progress rate over the job's mean rate (the drop so far plus the drop still to
+    come, forecast as a power law), clamped to ``[tw, wmax]``; 1 (Young) until it is known.
+    """
+    p, tw = cfg.decay, cfg.tw
+    still = track.rate_hat * k * (1.0 - jnp.power(k / n_end, p)) / p
+    mean_drop = ((track.start - track.envelope) + jnp.maximum(still, 0.0)) / n_end
+    ready = (track.count >= cfg.min_points) & (mean_drop > 0) & (track.rate_hat >= 0)
+    w = tw + (1.0 - tw) * track.rate_hat / jnp.where(ready, mean_drop, 1.0)
+    return jnp.where(ready & jnp.isfinite(w), jnp.clip(w, tw, cfg.wmax), 1.0)
+
+
+def _weight(cfg: _Settings, track: _Track, k, end_known, n_total):
+    """The weight ``w`` of step ``k``: at ``n_total`` while the end is known, else between the
+    ends of ``horizon_range`` (:func:`_between`)."""
+    w_lo = _weight_if_ends_at(cfg, track, k, jnp.maximum(cfg.h_lo * k, k + 1.0))
+    w_hi = _weight_if_ends_at(cfg, track, k, jnp.maximum(cfg.h_hi * k, k + 1.0))
+    w = jnp.clip(_between(w_lo, w_hi), cfg.tw, cfg.wmax)
+    if cfg.total_steps is not None:
+        w = jnp.where(end_known, _weight_if_ends_at(cfg, track, k, n_total), w)
+    return w
+
+
+def _plan_is_stale(cfg: _Settings, state: CociState, now: _Now):
+    """Whether the plan must be redone: there is none, it ran out, it is ``replan_fraction``
+    of an interval old, or the measurements moved ``REPLAN_DRIFT`` away from its cost model."""
+    stale = (state.plan_step == 0) | (state.plan.edges[-1] <= now.k)  # none, or run out
+    stale = stale | (now.k >= state.plan_step + jnp.maximum(cfg.rf * now.interval, 1.0))
+    # A plan decides in its own cost model: redo it when the measurements moved away.
+    moved = jnp.stack([a / b for a, b in zip(now.costs, state.plan.costs, strict=True)])
+    return stale | jnp.any(jnp.abs(jnp.log(jnp.maximum(moved, 1e-30))) > REPLAN_DRIFT)
+
+
+def _make_plan(cfg: _Settings, now: _Now):
+    """A plan from step ``now.k`` to the end: bins of the forecast weight, valued backwards.
+
+    The weight of a later step ``s`` is forecast to decay like the progress rate: its excess
+    over ``tw`` falls as ``(k / s) ** (decay + 1)``.
+    """
+    tw, k = cfg.tw, now.k
+    weight_at = lambda s: tw + (now.w - tw) * jnp.power(k / jnp.maximum(s, k), cfg.decay + 1.0)
+    per_step = lambda s: (
+        jnp.sqrt(now.costs.lam * weight_at(s) / (2.0 * now.costs.cost)) * now.costs.step_time
+    )
+    edges, reaches_end = _horizon.edges_for(k, now.n_total, per_step)
+    weights = weight_at(0.5 * (edges[1:] + edges[:-1]))
+    plan = _horizon.Plan(edges, weights, jnp.zeros_like(edges), now.costs)
+    return _horizon.values(plan, end_without_save=now.end_known & reaches_end)
+
+
+def _replan(cfg: _Settings, state: CociState, now: _Now):
+    """A new plan from this step, its step, and the value of the work since the last save."""
+    plan = _make_plan(cfg, now)
+    rollback = _horizon.value_before(
+        plan,
+        behind=(now.k - state.last_save.astype(jnp.float32)) * now.tau,
+        exposure=now.exposure,
+        end_without_save=now.end_known & (plan.edges[-1] >= now.n_total),
+    )
+    return plan, now.clock.last_step, rollback
+
+
+def _check(cfg: _Settings, state: CociState, now: _Now, stale):
+    """The decision at a check step (the plan redone first if ``stale``).
+
+    Returns:
+      ``(save, plan, plan_step, rollback, next_check)``: after a save, a plan made from here.
+    """
+    plan, plan_step, rollback = jax.lax.cond(
+        stale,
+        lambda _: _replan(cfg, state, now),
+        lambda _: (state.plan, state.plan_step, state.rollback),
+        None,
+    )
+    k = now.k
+    save, next_edge = _horizon.decide(
+        plan,
+        step=k,
+        exposure=now.exposure,
+        rollback_value=rollback,
+        end_without_save=now.end_known & (plan.edges[-1] >= now.n_total),
+    )
+    # A save after the last step, or with no timed training since the last one, protects
+    # nothing.
+    save = save & (k < now.n_total) & (now.clock.since_save > 0)
+    replan_at = plan_step.astype(jnp.float32) + jnp.maximum(cfg.rf * now.interval, 1.0)
+    next_check = _base.halfway(now.step, jnp.minimum(next_edge, replan_at) - k)
+    # A new segment starts here: plan it from here now, so its value is exact.
+    plan, plan_step, rollback = jax.lax.cond(
+        save,
+        lambda _: (lambda p: (p, now.clock.last_step, p.values[0]))(_make_plan(cfg, now)),
+        lambda _: (plan, plan_step, rollback),
+        None,
+    )
+    return save, plan, plan_step, rollback, next_check
+
+
+class _Track(NamedTuple):
+    """The progress-rate estimates of :func:`_track`: new values of the state fields so named,
+    and ``rate_hat``, the loss drop per step they estimate (NaN: not enough losses yet)."""
+
+    count: jnp.ndarray
+    level: jnp.ndarray
+    slow: jnp.ndarray
+    envelope: jnp.ndarray
+    start: jnp.ndarray
+    rate: jnp.ndarray
+    rate_hat: jnp.ndarray
+
+
+def _track(state: CociState, loss, is_new, span, *, trend: bool) -> _Track:
     """Online estimates of the progress rate (module docstring), fed one loss.
 
     Two estimators, chosen by whether the job's length is known:
@@ -358,8 +445,7 @@ def _track(state: CociState, loss, is_new, span, *, trend: bool):
       the trend averages the noise away. NaN until the averages lag apart by a step.
 
     Returns:
-      ``(count, level, slow, envelope, start, rate, rate_hat)``: the new values of those state
-      fields, and the loss drop per step they estimate.
+      The :class:`_Track` of the new estimates.
     """
     loss = jnp.asarray(loss, jnp.float32)
     valid = jnp.isfinite(loss) & is_new
@@ -387,14 +473,15 @@ def _track(state: CociState, loss, is_new, span, *, trend: bool):
     )
     if trend:
         rate = jnp.where(valid, trend_now, state.rate)
-        return count, level, slow, envelope, start, rate, rate
+        return _Track(count, level, slow, envelope, start, rate, rate)
     alpha = 2.0 / (span + 1.0)
     drop = jnp.where(jnp.isnan(state.envelope), 0.0, state.envelope - envelope)
     rate = jnp.where(valid, state.rate + alpha * (drop - state.rate), state.rate)
     warm = 1.0 - jnp.power(1.0 - alpha, n)
     rate_hat = rate / jnp.maximum(warm, 1e-6)
     # fmax: the trend is NaN until the averages lag apart.
-    return count, level, slow, envelope, start, rate, jnp.fmax(rate_hat, TREND_SHARE * trend_now)
+    rate_hat = jnp.fmax(rate_hat, TREND_SHARE * trend_now)
+    return _Track(count, level, slow, envelope, start, rate, rate_hat)
 
 
 def _between(w_lo, w_hi):

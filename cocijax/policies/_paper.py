@@ -149,15 +149,9 @@ def coci_paper(
 
     def init() -> PaperState:
         return PaperState(
-            _base.clock_init(),
-            _convergence.history_init(),
-            f0,
-            f0,
-            jnp.zeros((), bool),
-            f0,
-            f0,
+            _base.clock_init(), _convergence.history_init(), f0, f0, jnp.zeros((), bool), f0, f0,
             jnp.zeros((), jnp.int32),
-        )
+        )  # fmt: skip
 
     def plan(theta1, theta2, t_now, ts):
         now = jnp.exp(theta1 * t_now + theta2)

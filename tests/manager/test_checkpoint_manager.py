@@ -20,7 +20,7 @@ from manager_helpers import FakeClock, recording  # pytest puts tests/ on sys.pa
 
 import cocijax as cj
 from cocijax import _files, storage
-from cocijax.core._driver import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
+from cocijax.core._policy_inputs import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
 from cocijax.manager import DirectoryLockedError
 from cocijax.storage import _manifest_io
 from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX

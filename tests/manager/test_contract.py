@@ -13,7 +13,7 @@ import pytest
 from manager_helpers import FakeClock  # pytest puts tests/ on sys.path
 
 import cocijax as cj
-from cocijax.core._driver import prior_cost_s
+from cocijax.core._policy_inputs import prior_cost_s
 from cocijax.manager import ManagerClosedError, ManagerProtocol
 
 

@@ -149,9 +149,10 @@ def test_save_decision_split_costs_are_robust_too():
 @pytest.mark.parametrize("total", [True, False], ids=["coci", "coci no total"])
 def test_policy_bench_from_scratch_row_is_what_the_driver_does(monkeypatch, total):
     """``benchmarks/policy_bench.py`` scores the driver's saves from one scan of ``cj.plan``
-    (the driver itself is too slow for 165 cases); it must be exactly the driver's."""
+    (``_policy_cases.from_scratch``: the driver itself is too slow for 165 cases); it must be
+    exactly the driver's."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
-    policy_bench = pytest.importorskip("policy_bench")
+    policy_cases = pytest.importorskip("_policy_cases")
     n, tau, cost = 400, 20.0, 30.0
     y = 0.5 + 3.0 / np.sqrt(np.arange(1.0, n + 1)) + 0.02 * np.random.default_rng(0).normal(size=n)
     policy = cj.policies.coci(7200.0, 120.0, 0.25, total_steps=n if total else None)
@@ -165,4 +166,4 @@ def test_policy_bench_from_scratch_row_is_what_the_driver_does(monkeypatch, tota
             with driver.saving():
                 clock.advance(cost)
     assert len(saves) >= 5 and saves[0] == 2
-    assert saves == policy_bench.from_scratch(y, policy, tau, cost).tolist()
+    assert saves == policy_cases.from_scratch(y, policy, tau, cost).tolist()

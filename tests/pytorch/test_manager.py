@@ -15,7 +15,7 @@ from torch_helpers import ManualClock, SlowStaging, replay
 
 import cocijax as cj
 import cocijax.torch as cjt
-from cocijax.core._driver import PRIOR_FIXED_S, PRIOR_WRITE_RATE_BPS, prior_cost_s
+from cocijax.core._policy_inputs import PRIOR_FIXED_S, PRIOR_WRITE_RATE_BPS, prior_cost_s
 from cocijax.manager import DirectoryLockedError
 from cocijax.torch._state import tree_nbytes as _nbytes
 
