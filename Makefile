@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   -> trains a small Flax model with cocijax checkpoints (see README)
-#   make test   -> ruff + the whole test suite (what CI runs), the docs' snippets and site included
+#   make test   -> ruff + the test suite but its long tests (what CI runs), the docs' snippets and site included
+#   make test-long -> the long tests only (marked `long`: fault sweeps, end-to-end runs)
 #   make docs   -> the documentation site, strictly (a warning or a broken link fails), into docs/_build/html
 # Each creates .venv on first use and installs what it needs (and reinstalls when
 # pyproject.toml changes): `demo` the demo extra only, `docs` the docs extra, `test` the test set.
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a looser requirement pulls a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test docs lint systools bench chaos clean
+.PHONY: demo test test-long docs lint systools bench chaos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +59,12 @@ systools:
 	fi
 
 test: lint systools
-	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not long" $(PYTEST_ARGS)
+
+# The tests `test` leaves out (`@pytest.mark.long`): the larger shares of the fault sweeps and
+# the end-to-end runs. Same set-up as `test`.
+test-long: $(VENV)/.test systools
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m long $(PYTEST_ARGS)
 
 # Prints the tables; `make bench BENCH_ARGS=--write` also records them in BENCHMARKS.md.
 bench: $(VENV)/.test

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import cocijax as cj
 from cocijax import _files, storage
 from cocijax.core._policy_inputs import PRIOR_FIXED_S, prior_cost_s, tree_nbytes
 from cocijax.manager import DirectoryLockedError
-from cocijax.storage import _manifest_io
+from cocijax.storage import _codec, _manifest_io
 from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
 from cocijax.storage._stripes import referenced_stripe_dirs
 
@@ -100,18 +101,31 @@ def test_opening_and_restoring_parse_each_manifest_once(tmp_path, monkeypatch, r
         m.save(1, state, loss=1.0)
         m.save(2, state, loss=1.0)
     parsed = []
-    parse = _manifest_io.decode_manifest
-    monkeypatch.setattr(
-        _manifest_io,
-        "decode_manifest",
-        lambda raw, source: parsed.append(Path(source).parts[-3]) or parse(raw, source),
-    )
+    parse = _codec.decode_manifest
+
+    def counted(raw, source):
+        parsed.append(Path(source).parts[-3])
+        return parse(raw, source)
+
+    # Counted wherever the parser is called from: every module that holds it.
+    holders = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("cocijax") and getattr(module, "decode_manifest", None) is parse
+    ]
+    assert _codec in holders and _manifest_io in holders
+    for module in holders:
+        monkeypatch.setattr(module, "decode_manifest", counted)
     monkeypatch.setattr(_manifest_io, "_PARSED", {})  # as in a new process
     options = ocp.CheckpointManagerOptions(read_only=read_only)
     with cj.CheckpointManager(tmp_path / "ck", options=options, policy=cj.policies.fixed(1)) as m:
         assert parsed == []
         assert_trees_bit_equal(m.restore(1, target=abstract(state)), state)
         assert_trees_bit_equal(m.restore(target=abstract(state)), state)
+        assert sorted(parsed) == ["1", "2"]
+        # Read again, by a restore or a reader: the same bytes are not parsed again.
+        assert_trees_bit_equal(m.restore(1, target=abstract(state)), state)
+        storage.read_manifest(m.item_directory(2))
         assert sorted(parsed) == ["1", "2"]
     # A manifest replaced by other bytes is parsed again, whatever its timestamps say.
     manifest = tmp_path / "ck" / "2" / "state" / MANIFEST_NAME

@@ -97,8 +97,23 @@ def test_by_name_rejects_unknown_names_and_arguments():
     assert isinstance(cj.policies.by_name("COCI-paper", mtbf_s=5.0), cj.policies.Policy)
 
 
-def test_coci_has_a_default_mtbf():
-    assert isinstance(cj.policies.coci(), cj.policies.Policy)
+def test_coci_without_an_mtbf_plans_with_the_default_prior():
+    """``coci()`` assumes ``default_prior_mtbf_s()`` (24 h over the device count) until an MTBF
+    is measured: it saves where it does when that MTBF is measured, and not where another is."""
+    prior = cj.policies.default_prior_mtbf_s()
+    assert prior == pytest.approx(24 * 3600.0 / jax.device_count())
+    n = 1000
+    losses = (2.0 + 3.0 / np.sqrt(np.arange(1, n + 1))).astype(np.float32)
+    policy = cj.policies.coci()  # one policy object: `plan` compiles its scan once
+
+    def saves(mtbf_s=math.nan):
+        return cj.plan(losses, policy, step_time_s=1.0, checkpoint_cost_s=4.0, mtbf_s=mtbf_s)
+
+    default = saves()
+    assert default.size > 0
+    np.testing.assert_array_equal(default, saves(prior))
+    for other in (prior / 4, prior * 4):
+        assert not np.array_equal(default, saves(other)), other
 
 
 BAD = [

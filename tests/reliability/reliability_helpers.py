@@ -14,7 +14,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
+
+
+def ci_share(values, keep: int) -> list:
+    """``values`` as test parameters: the first ``keep`` run under ``make test`` (CI), the
+    others are marked ``long`` and run under ``make test-long``."""
+    return [
+        v if i < keep else pytest.param(v, marks=pytest.mark.long) for i, v in enumerate(values)
+    ]
 
 
 def free_port() -> int:

@@ -10,10 +10,11 @@ Two kinds of tests, both with real processes (the scripts are in ``_readers.py``
   open (read from ``/proc/PID/fd``), the writer (this process) saves the next step, which
   deletes that one and removes its stripes, and the reader is let go on with SIGCONT. Each of
   the three outcomes above is shown every time.
-* **Loop**: a writer saves as fast as it can for ``COCIJAX_READERS_S`` seconds (default 20)
-  while two readers restore (the newest step and the step they listed just before) and run
-  ``cocijax verify`` in a loop: no problem may appear; the test prints how often a step was
-  deleted under a reader.
+* **Loop**: a writer saves as fast as it can for ``COCIJAX_READERS_S`` seconds (default 20;
+  ``make test-long`` runs it again for ``COCIJAX_READERS_LONG_S``, default 300) while two
+  readers restore (the newest step and the step they listed just before) and run ``cocijax
+  verify`` in a loop: no problem may appear; the test prints how often a step was deleted
+  under a reader.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from reliability_helpers import HERE, child_env
 import cocijax as cj
 
 DURATION_S = float(os.environ.get("COCIJAX_READERS_S", "20"))
+LONG_DURATION_S = float(os.environ.get("COCIJAX_READERS_LONG_S", "300"))
 # 2 MiB leaves in 4 KiB chunks: a read opens about a thousand files, so a reader seen with one
 # of them open is stopped long before it has opened them all.
 ROWS = 2048
@@ -108,14 +110,19 @@ def test_a_step_deleted_under_a_reader(tmp_path: Path, what: str) -> None:
         assert "step 1: deleted while it was verified" in result["output"], result
 
 
-def test_readers_in_a_loop_never_see_a_mixed_or_partial_tree(tmp_path: Path) -> None:
-    cfg = {"base": str(tmp_path), "duration_s": DURATION_S}
+@pytest.mark.parametrize(
+    "duration_s", [DURATION_S, pytest.param(LONG_DURATION_S, marks=pytest.mark.long)]
+)
+def test_readers_in_a_loop_never_see_a_mixed_or_partial_tree(
+    tmp_path: Path, duration_s: float
+) -> None:
+    cfg = {"base": str(tmp_path), "duration_s": duration_s}
     writer = _spawn("writer", cfg)
     readers = [_spawn("reader", cfg) for _ in range(2)]
     try:
         results = []
         for reader in readers:
-            out, err = reader.communicate(timeout=DURATION_S + 300)
+            out, err = reader.communicate(timeout=duration_s + 300)
             assert reader.returncode == 0 and out.strip(), err[-3000:]
             results.append(json.loads(out.splitlines()[-1]))
         _, err = writer.communicate(timeout=300)
@@ -129,7 +136,7 @@ def test_readers_in_a_loop_never_see_a_mixed_or_partial_tree(tmp_path: Path) -> 
         assert all(r["counts"][k] > 0 for k in ("newest", "verify", "opened")), r
     total = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
     print(
-        f"\nreaders: the writer saved {saved} steps in {DURATION_S:.0f} s (max_to_keep=1); "
+        f"\nreaders: the writer saved {saved} steps in {duration_s:.0f} s (max_to_keep=1); "
         f"2 readers: {total['newest']} restore() and {total['listed']} restore(step) returned "
         f"a complete step, {total['retried']} restore() retried with the newest step, "
         f"{total['deleted']} StepDeletedError and {total['gone']} FileNotFoundError (step "

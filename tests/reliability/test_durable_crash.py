@@ -1,10 +1,11 @@
 """SIGKILL during a drain to a real S3 server (moto on 127.0.0.1), then the next open.
 
 A child process saves a state, commits it locally and is killed while its drain is uploading
-the pieces (the test watches the bucket and kills once piece objects exist and the manifest
-does not). No incomplete step may be listed on the durable tier; the next open redoes the
-drain; no object is left that no committed step uses; with the local tier wiped, the durable
-tier restores bit-exact and the next garbage collection removes the cut drain's objects.
+the pieces: the drain stops once its first piece file is uploaded (``_drain_worker.py`` wraps
+the progress callback of ``storage.copy_item``) and says so, and the test kills it then. No
+incomplete step may be listed on the durable tier; the next open redoes the drain; no object is
+left that no committed step uses; with the local tier wiped, the durable tier restores
+bit-exact and the next garbage collection removes the cut drain's objects.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -25,12 +26,15 @@ from reliability_helpers import HERE, child_env
 import cocijax as cj
 from cocijax import storage
 
-SIZE = 32 << 20  # float32 elements: 128 MiB, so an upload to moto lasts about a second or more
+# float32 elements: 16 MiB, two piece files (one per root) of 8 MiB. The worker holds its drain
+# once the first is uploaded: the kill lands after a piece and before the manifest, however fast
+# the upload is.
+SIZE = 4 << 20
 MANIFEST = "state/cocijax_manifest.json"
 
 
 def _kill_mid_drain(tmp_path, s3, steps: list[int]) -> None:
-    """Runs the worker and SIGKILLs it once the last step's pieces are partly uploaded."""
+    """Runs the worker and SIGKILLs it once the last step's first piece file is uploaded."""
     cfg = {
         "directory": str(tmp_path / "ckpt"),
         "roots": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
@@ -40,30 +44,33 @@ def _kill_mid_drain(tmp_path, s3, steps: list[int]) -> None:
         "size": SIZE,
     }
     last = steps[-1]
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "_drain_worker.py"), json.dumps(cfg)],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    stderr = tmp_path / "worker.stderr"
+    with stderr.open("w") as err:
+        child = subprocess.Popen(
+            [sys.executable, str(HERE / "_drain_worker.py"), json.dumps(cfg)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    hang_guard = threading.Timer(300, child.kill)  # a worker that never prints: EOF below
+    hang_guard.start()
     try:
-        assert child.stdout.readline().strip() == f"committed {last}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            keys = s3.keys(f"run/{last}/")
-            if any("/c." in k for k in keys):
-                os.kill(child.pid, signal.SIGKILL)
-                break
-            time.sleep(0.01)
+        line = child.stdout.readline().strip()
+        if line == f"uploaded a piece of {last}":
+            os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=60)
     finally:
+        hang_guard.cancel()
+        child.stdout.close()
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert child.returncode == -signal.SIGKILL, "the drain finished before the kill landed"
+    assert line == f"uploaded a piece of {last}", f"{line!r}: {stderr.read_text()[-3000:]}"
+    assert child.returncode == -signal.SIGKILL
     keys = s3.keys(f"run/{last}/")
-    assert keys and f"run/{last}/{MANIFEST}" not in keys, "the kill did not land mid-drain"
+    assert any("/c." in k for k in keys), keys  # chunks of the first piece
+    assert f"run/{last}/{MANIFEST}" not in keys, "the manifest was written: not cut mid-drain"
 
 
 def _no_orphans(s3, mngr: cj.CheckpointManager) -> None:

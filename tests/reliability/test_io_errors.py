@@ -6,9 +6,10 @@ checks. This test collects the trials' JSON lines and fails on any problem, on a
 did not finish its trials (a crash or a hang: the worker dumps its threads and exits after
 ``trial_timeout_s``), and on a trial run that injected no error at all.
 
-``COCIJAX_FIU_TRIALS`` sets the number of trials per CI run (default 200, over four chains),
-``COCIJAX_FIU_SEED`` the seed. Needs ``fiu-run`` (Debian's ``fiu-utils``, installed by
-``make test`` where it can); skipped without it, except under CI.
+``COCIJAX_FIU_TRIALS`` sets the number of trials (default 200, over four chains: ``make test``
+runs the first two, ``make test-long`` the others), ``COCIJAX_FIU_SEED`` the seed. Needs
+``fiu-run`` (Debian's ``fiu-utils``, installed by ``make test`` where it can); skipped without
+it, except under CI.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from reliability_helpers import HERE, child_env, require_tool
+from reliability_helpers import HERE, child_env, ci_share, require_tool
 
 TRIALS = int(os.environ.get("COCIJAX_FIU_TRIALS", "200"))
 SEED = int(os.environ.get("COCIJAX_FIU_SEED", "20261207"))
@@ -30,7 +31,7 @@ CHAINS = 4
 PROBABILITIES = [0.002, 0.005, 0.01, 0.02, 0.03]
 
 
-@pytest.mark.parametrize("chain", range(CHAINS))
+@pytest.mark.parametrize("chain", ci_share(range(CHAINS), 2))
 def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) -> None:
     fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
     trials = TRIALS // CHAINS + (1 if chain < TRIALS % CHAINS else 0)

@@ -18,7 +18,8 @@ manifests record absolute paths) and checked:
 ``COCIJAX_POWERLOSS_STATES`` limits how many distinct states are checked per recording
 (default: all); ``COCIJAX_POWERLOSS_RECORDINGS`` records and checks the run that many times
 (default 2): its threads interleave differently each time, so each recording orders the
-writes, syncs and renames of the pieces, manifests and commits its own way.
+writes, syncs and renames of the pieces, manifests and commits its own way. ``make test`` checks
+the first recording, ``make test-long`` the others.
 Needs ``strace`` (installed by ``make test`` where it can); skipped without it, except under CI.
 """
 
@@ -37,7 +38,15 @@ import pytest
 from _powerloss_writer import MAX_TO_KEEP as MAX
 from _powerloss_writer import open_manager, state
 from crash_states import CrashState, crash_states, rebuild, strace_command
-from reliability_helpers import HERE, child_env, item_dir, orphaned_stripes, pieces, require_tool
+from reliability_helpers import (
+    HERE,
+    child_env,
+    ci_share,
+    item_dir,
+    orphaned_stripes,
+    pieces,
+    require_tool,
+)
 
 from cocijax import storage
 
@@ -121,7 +130,7 @@ def check_state(crash: CrashState, base: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("recording", range(RECORDINGS))
+@pytest.mark.parametrize("recording", ci_share(range(RECORDINGS), 1))
 def test_every_crash_state_of_a_save_opens_restores_and_saves_again(
     tmp_path: Path, recording: int
 ) -> None:

@@ -11,7 +11,8 @@ every operation:
   else: disk usage stays bounded by what retention keeps;
 * the neighbour directory sharing the roots still restores bit-exact.
 
-``COCIJAX_SEQUENCE_EXAMPLES`` sets how many sequences run (CI: a few; ``make test-long``: more).
+``COCIJAX_SEQUENCE_EXAMPLES`` sets how many sequences ``make test`` runs (default 3), and
+``COCIJAX_SEQUENCE_EXAMPLES_LONG`` how many ``make test-long`` runs besides (default 30).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cocijax.storage import _stripes
 from cocijax.storage._records import STRIPE_PREFIX
 
 EXAMPLES = int(os.environ.get("COCIJAX_SEQUENCE_EXAMPLES", "3"))
+LONG_EXAMPLES = int(os.environ.get("COCIJAX_SEQUENCE_EXAMPLES_LONG", "30"))
 KEEP = 3
 
 
@@ -252,3 +254,14 @@ SequencesWithDurable.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSequencesWithDurable = SequencesWithDurable.TestCase
+
+
+def _long(case: type) -> type:
+    """``case`` with ``LONG_EXAMPLES`` sequences, marked ``long`` (``make test-long``)."""
+    longer = type(f"{case.__name__}Long", (case,), {})
+    longer.settings = settings(case.settings, max_examples=LONG_EXAMPLES)
+    return pytest.mark.long(longer)
+
+
+TestSequencesLong = _long(TestSequences)
+TestSequencesWithDurableLong = _long(TestSequencesWithDurable)

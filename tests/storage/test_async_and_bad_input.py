@@ -27,6 +27,9 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
     source = np.arange(4096, dtype=np.float32)
     device = jnp.arange(8, dtype=jnp.int32)
     item = tmp_path / "not_created_yet"
+    snapshots = []
+    take = handler._snapshot
+    handler._snapshot = lambda *a: snapshots.append(take(*a)) or snapshots[-1]
     synchronization.OperationIdGenerator.next_operation_id()
     op = synchronization.OperationIdGenerator.get_current_operation_id()
     future.AwaitableSignalsContract.add_to_awaitable_signals_contract([CREATED])
@@ -35,10 +38,16 @@ def test_async_save_snapshots_then_commit_waits_for_the_directory_signal(tmp_pat
             handler.async_save(item, cj.StripedSave({"host": source, "dev": device}))
         )
         assert len(futures) == 1
-        # The commit is parked on the signal; direct chunk writes may already run.
+        # The commit is parked on the signal; the host leaf's direct chunk writes started
+        # inside async_save: once they are done, they are all that is on the roots.
+        (snapshot,) = snapshots
+        assert snapshot.early  # the host leaf's pieces (its 16 KiB over the two roots)
+        concurrent.futures.wait([f for fs in snapshot.early.values() for f in fs], timeout=60)
         early = [f.relative_to(r).parts for r in roots for f in r.rglob("*") if f.is_file()]
-        # <stripe>/<piece>/c.<chunk key> or <stripe>/<piece>/zarr.json
-        assert all(parts[2].startswith("c.") or parts[2] == "zarr.json" for parts in early)
+        # <stripe>/<piece>/c.<chunk key>, 4 KiB each, and <stripe>/<piece>/zarr.json
+        kinds = sorted("c." if parts[2].startswith("c.") else parts[2] for parts in early)
+        assert kinds == ["c."] * 4 + ["zarr.json"] * len(snapshot.early), early
+        assert {parts[1] for parts in early} == set(snapshot.early)
         assert not item.exists()
         source[:] = -1  # The caller may reuse its buffers as soon as async_save returns.
         item.mkdir()

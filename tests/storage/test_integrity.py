@@ -163,4 +163,5 @@ def test_manifest_json_is_plain_and_versioned(saved):
     assert {leaf["path"] for leaf in data["leaves"]} == {
         "['big']", "['small']['a']", "['small']['b']"
     }  # fmt: skip
+    assert data["pieces"]
     assert all({"root", "file", "start", "stop", "checksum"} <= set(p) for p in data["pieces"])

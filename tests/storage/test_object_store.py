@@ -44,7 +44,7 @@ def test_striped_save_to_s3_and_local_roots_restores_bit_exact(s3, tmp_path):
         ].read()
     )
     assert meta["zarr_format"] == 3
-    assert all(k.startswith("ck/r0/cocijax-stripe-") for k in keys)
+    assert keys and all(k.startswith("ck/r0/cocijax-stripe-") for k in keys)
     assert storage.verify(tmp_path / "item", root_options=s3.options) == []
 
 
