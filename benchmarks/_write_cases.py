@@ -25,7 +25,7 @@ REQUEST = 8 * MiB  # bytes per O_DIRECT request of the limit
 BLOCK = 4096
 
 
-def _tree(name: str, quick: bool):
+def make_tree(name: str, quick: bool):
     import jax
     import jax.numpy as jnp
     import optax
@@ -89,7 +89,7 @@ class _RssSampler:
         self.peak = max(self.peak, self.now())
 
 
-def _evict(path: Path) -> None:
+def evict_page_cache(path: Path) -> None:
     """Drops the page cache of every file under ``path`` so the next read comes from the device."""
     for dirpath, _, files in os.walk(path):
         for name in files:
@@ -184,7 +184,7 @@ def _fio(directory: Path, nbytes: int, threads: int) -> dict[str, float]:
             "--end_fsync=1", "--group_reporting", "--output-format=json",
         ]  # fmt: skip
         if rw == "read":
-            _evict(directory)
+            evict_page_cache(directory)
         report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
         out[f"fio_{rw}_gibs"] = report["jobs"][0][rw]["bw_bytes"] / GiB
     shutil.rmtree(directory)
@@ -196,7 +196,7 @@ def run_limit(case: dict) -> dict:
     import jax
     import numpy as np
 
-    tree = _tree(case["tree"], case["quick"])
+    tree = make_tree(case["tree"], case["quick"])
     leaves = [np.asarray(x) for x in jax.block_until_ready(jax.tree.leaves(tree))]
     nbytes = sum(x.nbytes for x in leaves)
     work = Path(case["dir"])
@@ -220,7 +220,7 @@ def run_limit(case: dict) -> dict:
     for threads in THREADS:
         directory = work / f"t{threads}"
         out[f"write_{threads}_s"] = _direct_write(directory, host, threads)
-        _evict(directory)
+        evict_page_cache(directory)
         out[f"read_{threads}_s"] = _direct_read(directory, total, threads)
         out[f"read_prefaulted_{threads}_s"] = _direct_read(directory, total, threads, host)
         shutil.rmtree(directory)
@@ -237,7 +237,7 @@ def run_save(case: dict) -> dict:
 
     import cocijax as cj
 
-    tree = _tree(case["tree"], case["quick"])
+    tree = make_tree(case["tree"], case["quick"])
     jax.block_until_ready(tree)
     leaves = jax.tree.leaves(tree)
     work = Path(case["dir"])
@@ -265,7 +265,7 @@ def run_save(case: dict) -> dict:
                 t2 = time.perf_counter()
                 out[f"{name}_blocking_s"] = t1 - t0
             out |= {"blocking_s": t1 - t0, "commit_s": t2 - t0, "peak_extra": rss.peak - before}
-        _evict(work)
+        evict_page_cache(work)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
         )

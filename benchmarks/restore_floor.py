@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from _report import machine_line, write_section
-from write_bench import _evict, _tree
+from _write_cases import evict_page_cache, make_tree
 
 SECTION = "restore_floor"
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import cocijax as cj
 
-    tree = _tree("c", quick=False)
+    tree = make_tree("c", quick=False)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
     )
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         with orbax, ours:
             for _ in range(args.repeat):
                 for name, run in runs.items():  # interleaved: load drifts hit every method alike
-                    _evict(work)
+                    evict_page_cache(work)
                     t = time.perf_counter()
                     jax.block_until_ready(run())
                     times[name].append(time.perf_counter() - t)

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from _report import machine_line, run_in_child, write_section
-from write_bench import _evict
-from write_bench import _tree as _write_bench_tree
+from _write_cases import evict_page_cache
+from _write_cases import make_tree as _write_bench_tree
 
 SECTION = "resume_bench"
 METHODS = ("orbax", "cocijax")
@@ -86,7 +86,7 @@ def _resume(case: dict) -> dict:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         jax.eval_shape(lambda: _tree(case["tree"], quick=False)),
     )
-    _evict(Path(case["dir"]))
+    evict_page_cache(Path(case["dir"]))
     t0 = time.perf_counter()
     manager = _manager(case["method"], Path(case["dir"]), case["steps"])
     t1 = time.perf_counter()

@@ -191,9 +191,9 @@ def _orbax_case(case: dict, tree) -> dict:
 
 def _run_case(case: dict) -> dict:
     import jax
-    from write_bench import _tree
+    from _write_cases import make_tree
 
-    tree = _tree("a", case["quick"])
+    tree = make_tree("a", case["quick"])
     jax.block_until_ready(tree)
     run = {"upload": _upload_case, "orbax": _orbax_case}.get(case["name"], _manager_case)
     out = run(case, tree)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from _report import machine_line, write_section
-from write_bench import _tree
+from _write_cases import make_tree
 
 SECTION = "train_loop_bench"
 METHODS = ("no saves", "cocijax", "orbax")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for tree_name in args.trees:
-        tree = jax.block_until_ready(_tree(tree_name, quick=False))
+        tree = jax.block_until_ready(make_tree(tree_name, quick=False))
         gib = sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**30
         for donate in (True, False):
             step = jax.jit(lambda s: jax.tree.map(update, s), donate_argnums=0 if donate else ())

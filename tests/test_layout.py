@@ -179,3 +179,15 @@ def test_the_size_checks_find_a_long_module_and_a_long_function(tmp_path):
 def test_modules_are_at_most_500_lines_and_functions_at_most_80_lines_of_code():
     too_long = long_modules(PACKAGE, BENCHMARKS) + long_functions(PACKAGE)
     assert not too_long, "split by concept:\n" + "\n".join(too_long)
+
+
+def test_every_benchmark_module_imports():
+    """A benchmark that cannot even import fails only when someone runs it, often much later
+    (a split of write_bench once broke three that imported its helpers)."""
+    names = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    assert "write_bench" in names
+    code = f"import importlib\nfor name in {names!r}:\n    importlib.import_module(name)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=BENCHMARKS, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
