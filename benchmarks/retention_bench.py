@@ -48,6 +48,16 @@ def _tree(quick: bool) -> dict:
     return {f"w{i:02d}": rng.standard_normal(size).astype(np.float32) for i in range(n)}
 
 
+def _commit(checkout: str) -> str:
+    """The commit ``checkout`` is at (short hash), or "unknown"."""
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
+
+
 def _run_case(case: dict) -> dict:
     import cocijax as cj
 
@@ -157,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     console.print(machine)
     if args.write:
         text = console.export_text()
-        write_section(SECTION, f"```\n{text}```\n")
+        before = ""
+        if args.before:
+            before = f", `before`: the checkout given by `--before`, {_commit(args.before)}"
+        heading = (
+            "## retention_bench: what deleting old steps costs a save\n\n"
+            f"Command: `python benchmarks/retention_bench.py` (repeat={args.repeat}, "
+            f"{args.saves} saves per case{before}; see the module docstring).\n\n"
+        )
+        write_section(SECTION, f"{heading}```\n{text}```\n")
     return 0
 
 
