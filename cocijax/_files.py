@@ -35,18 +35,16 @@ __all__ = [
 
 def fsync_file(path: os.PathLike | str) -> None:
     """fsyncs one file; an error names it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_RDONLY)
 
 
 def fsync_dir(path: os.PathLike | str) -> None:
     """Makes the entries of directory ``path`` durable (new files, renames); errors name it."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: os.PathLike | str, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as e:
