@@ -109,8 +109,11 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPat
     # or after a power loss a step could be listed again without its data (found by
     # tests/reliability/test_power_loss.py).
     _files.fsync_dir(directory)
-    items = [e / STATE_ITEM for e in _entries(directory) if STEP_RE.match(e.name)]
-    items += [e / STATE_ITEM for e in _entries(directory / QUARANTINE_DIR)]
+    steps, quarantined = _listing(directory), _listing(directory / QUARANTINE_DIR)
+    if steps is None or quarantined is None:
+        return garbage  # which steps exist is unknown now: every stripe may be referenced
+    items = [e / STATE_ITEM for e in steps if STEP_RE.match(e.name)]
+    items += [e / STATE_ITEM for e in quarantined]
     stripes = storage.unreferenced_stripe_dirs(stripe_roots, items)
     if stripes is None:
         return garbage  # some step's references cannot be read now: removing any could lose
@@ -188,3 +191,20 @@ def _entries(folder: Path) -> list[Path]:
         return sorted(folder.iterdir())
     except FileNotFoundError:
         return []
+
+
+def _listing(folder: Path) -> list[Path] | None:
+    """The entries of ``folder`` ([] when it does not exist), or None when it cannot be listed.
+
+    A listing that fails with ENOENT although the folder is there (an I/O fault; libfiu injects
+    it) is not an empty folder: taken for one, every stripe of the steps in it was garbage.
+    """
+    try:
+        return sorted(folder.iterdir())
+    except FileNotFoundError:
+        if not os.path.lexists(folder):
+            return []
+        log.warning("cannot list %s: keeping every stripe for now", folder)
+    except OSError as e:
+        log.warning("cannot list %s (%s): keeping every stripe for now", folder, e)
+    return None
