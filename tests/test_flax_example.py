@@ -66,6 +66,7 @@ def test_demo_killed_and_rerun_ends_like_an_uninterrupted_run(tmp_path, uninterr
     assert digest(resumed) == digest(uninterrupted[1])
 
 
+@pytest.mark.long  # SIGTERM: tests/manager/test_signals.py in CI
 def test_sigterm_saves_at_once_exits_0_and_the_rerun_resumes_there(tmp_path, uninterrupted):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -94,6 +95,7 @@ def test_sigterm_saves_at_once_exits_0_and_the_rerun_resumes_there(tmp_path, uni
     assert digest(resumed) == digest(uninterrupted[1])
 
 
+@pytest.mark.long  # CI runs the kill-and-rerun demo
 def test_a_finished_run_keeps_its_last_step_and_trains_nothing_when_rerun(uninterrupted):
     ckpt, whole = uninterrupted
     assert re.search(rf"step\s+{STEPS}: saved", whole), whole

@@ -25,6 +25,7 @@ pytest.importorskip("grain")
 pytest.importorskip("sklearn")
 
 
+@pytest.mark.long  # a whole demo run
 def test_the_bar_drawn_below_each_saved_line_counts_that_save(tmp_path):
     env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "160"}
     # --mtbf 1 (second): several saves within a run this short (as in test_flax_example.py).

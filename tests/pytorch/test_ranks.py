@@ -285,6 +285,7 @@ def _signal_after_first_save(cmd: list[str], target) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(launcher.args, launcher.returncode, "".join(lines))
 
 
+@pytest.mark.long  # SIGTERM: test_signals.py and test_contract.py in CI
 def test_sigterm_makes_both_ranks_save_one_step_and_the_rerun_resumes_there(tmp_path):
     ckpt = tmp_path / "ckpt"
     # Far more steps than run before the signal: the job ends only by it.
