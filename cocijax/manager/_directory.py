@@ -43,7 +43,6 @@ __all__ = [
     "merge_options",
     "orbax_reader_notice_dropped",
     "split_best",
-    "step_problem",
 ]
 
 STATE_ITEM = "state"
@@ -303,15 +302,6 @@ def check_layout(directory: Path) -> Layout:
             "Use an empty, cocijax or Orbax CheckpointManager directory."
         )
     return layout
-
-
-def step_problem(step_dir: Path) -> str | None:
-    """Why a step directory cannot be listed (None: it is committed and readable).
-
-    Its manifest must be valid (:func:`is_committed`) and Orbax's metadata of the step
-    (``_CHECKPOINT_METADATA``) readable: Orbax reads it to list the step.
-    """
-    return _read_step(step_dir)[1]
 
 
 def _read_step(step_dir: Path) -> tuple[datetime.datetime | None, str | None]:
