@@ -62,6 +62,9 @@ class UpdateFn(Protocol):
         checkpoint_cost_s,
         mtbf_s=math.nan,
         recovery_s=math.nan,
+        persist_cost_s=math.nan,
+        machine_mtbf_s=math.nan,
+        machine_recovery_s=math.nan,
     ) -> tuple[jnp.ndarray, PolicyState]:
         """Observes one completed step and decides whether to save after it.
 
@@ -76,9 +79,16 @@ class UpdateFn(Protocol):
             used only by policies built without ``mtbf_s``.
           recovery_s: the caller's estimate of the recovery time in seconds, or NaN; used only
             by policies built without ``recovery_s``.
+          persist_cost_s: two-level policies only (see :class:`Policy`): the latest measured
+            stall of a level-2 save, or NaN; ``checkpoint_cost_s`` is then a level-1 save's.
+          machine_mtbf_s: two-level policies only: the caller's estimate of the mean time
+            between the failures only a level-2 save recovers from (a machine lost), or NaN;
+            ``mtbf_s`` is then that of the failures a level-1 save recovers from (a process).
+          machine_recovery_s: two-level policies only: the recovery time from a level-2 save.
 
         Returns:
-          ``(save, new_state)`` with ``save`` a 0-d bool array.
+          ``(save, new_state)``. For a one-level policy ``save`` is a 0-d bool array; for a
+          two-level policy a 0-d int32 level: 0 no save, 1 a level-1 save, 2 a level-2 save.
         """
 
 
@@ -111,6 +121,10 @@ class Policy(NamedTuple):
     uses_cost: bool = True
     # The cost prior it was built with, when given: a manager then gives it none of its own.
     cost_prior_s: float | None = None
+    # 1: ``save`` is a bool and every save is persisted. 2: ``save`` is a level, 0 (none), 1 (a
+    # save that survives a process failure: the memory tier, or the local disk without one) or
+    # 2 (a save that also survives the machine's loss: the disk roots and the durable tier).
+    levels: int = 1
 
 
 class Seen(NamedTuple):
@@ -126,6 +140,10 @@ class Seen(NamedTuple):
     checkpoint_cost_s: jax.typing.ArrayLike  # shape=(), float: latest save stall (NaN: unknown)
     mtbf_s: jax.typing.ArrayLike = math.nan  # shape=(), float: the caller's MTBF (NaN: unknown)
     recovery_s: jax.typing.ArrayLike = math.nan  # shape=(), float: the caller's recovery time
+    # Two-level inputs (see UpdateFn); NaN for one-level callers.
+    persist_cost_s: jax.typing.ArrayLike = math.nan  # shape=(), float: level-2 save stall
+    machine_mtbf_s: jax.typing.ArrayLike = math.nan  # shape=(), float: machine-loss MTBF
+    machine_recovery_s: jax.typing.ArrayLike = math.nan  # shape=(), float: level-2 recovery
 
 
 def make_policy(
@@ -137,6 +155,7 @@ def make_policy(
     recovery_s: float | None = None,
     uses_cost: bool = True,
     cost_prior_s: float | None = None,
+    levels: int = 1,
 ) -> Policy:
     """A :class:`Policy` from ``init`` and ``rule(state, seen) -> (save, state)``.
 
@@ -148,7 +167,9 @@ def make_policy(
     def update(state, **inputs):  # the signature of UpdateFn; Seen checks the names
         return rule(state, Seen(**inputs))
 
-    return Policy(init, jax.jit(update), total_steps, mtbf_s, recovery_s, uses_cost, cost_prior_s)
+    return Policy(
+        init, jax.jit(update), total_steps, mtbf_s, recovery_s, uses_cost, cost_prior_s, levels
+    )
 
 
 class Clock(NamedTuple):

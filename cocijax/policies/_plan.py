@@ -85,22 +85,28 @@ def _run(policy: Policy, xs):
 
 
 def _caller(policy: Policy) -> Callable[..., Any]:
-    """``policy.update``, dropping ``mtbf_s``/``recovery_s`` if it does not take them.
+    """``policy.update`` as a function of every :class:`Seen` input, returning a level.
 
-    Policies written before those inputs existed (``update(state, *, step, loss, step_time_s,
-    checkpoint_cost_s)``) keep working.
+    Inputs the update does not take are dropped: policies written before ``mtbf_s`` and
+    ``recovery_s`` existed (``update(state, *, step, loss, step_time_s, checkpoint_cost_s)``),
+    and one-level policies that take no two-level inputs, keep working. The decision comes back
+    as a 0-d int32 level (see :class:`~cocijax.policies.UpdateFn`): a one-level policy's
+    ``True`` is a level-2 save, since its every save is persisted.
     """
     try:
         params = inspect.signature(policy.update).parameters
     except (TypeError, ValueError):
-        return policy.update
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if takes_all or {"mtbf_s", "recovery_s"} <= params.keys():
-        return policy.update
+        params = None
+    if params is None or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = set(Seen._fields)
+    else:
+        takes = set(params) & set(Seen._fields)
+    two_level = getattr(policy, "levels", 1) == 2
 
-    def update(state, *, mtbf_s, recovery_s, **inputs):
-        del mtbf_s, recovery_s
-        return policy.update(state, **inputs)
+    def update(state, **inputs):
+        save, state = policy.update(state, **{k: v for k, v in inputs.items() if k in takes})
+        level = jnp.asarray(save, jnp.int32) if two_level else jnp.where(save, 2, 0)
+        return level.astype(jnp.int32), state
 
     return update
 
@@ -110,8 +116,8 @@ def _scan(policy, steps, losses, step_times, costs, mtbfs, recoveries):
     update = _caller(policy)
 
     def body(state, x):
-        save, state = update(state, **Seen(*x)._asdict())
-        return state, jnp.asarray(save, bool)
+        level, state = update(state, **Seen(*x)._asdict())
+        return state, level > 0
 
     xs = (steps, losses, step_times, costs, mtbfs, recoveries)
     _, saves = jax.lax.scan(body, policy.init(), xs)
@@ -132,13 +138,18 @@ class Batch(NamedTuple):
     mtbf_s: jnp.ndarray  # float32
     recovery_s: jnp.ndarray  # float32
     valid: jnp.ndarray  # bool
+    # Two-level inputs (see Seen), NaN for one-level callers.
+    persist_cost_s: jnp.ndarray | None = None  # float32
+    machine_mtbf_s: jnp.ndarray | None = None  # float32
+    machine_recovery_s: jnp.ndarray | None = None  # float32
 
 
 def update_many(policy: Policy) -> Callable[[Any, Batch], tuple[jnp.ndarray, Any]]:
     """A jitted function feeding a :class:`Batch` of steps to ``policy.update`` in order.
 
     Exactly the state and decisions of one ``update`` call per valid row; it returns the
-    decision of the last valid row and the new state. A caller that skips the policy on the
+    decision of the last valid row, as a 0-d int32 level (0 none, 1 or 2; a one-level policy's
+    saves are level 2), and the new state. A caller that skips the policy on the
     steps before ``next_check(state)`` (where ``update`` cannot save) feeds them here together
     with the check step, in one dispatch instead of one per step.
 
@@ -150,9 +161,9 @@ def update_many(policy: Policy) -> Callable[[Any, Batch], tuple[jnp.ndarray, Any
       >>> f = lambda v, dt=np.float32: np.full(4, v, dt)
       >>> batch = Batch(np.arange(1, 5, dtype=np.int32), f(2.0), f(1.0), f(0.5), f(np.nan),
       ...               f(np.nan), np.array([True, True, True, False]))
-      >>> save, state = run(policy.init(), batch)
-      >>> bool(save), int(next_check(state))
-      (True, 6)
+      >>> level, state = run(policy.init(), batch)
+      >>> int(level), int(next_check(state))
+      (2, 6)
     """
     return jax.jit(functools.partial(_update_many, policy))
 
@@ -164,16 +175,10 @@ def _update_many(policy: Policy, state: Any, batch: Batch) -> tuple[jnp.ndarray,
     like = lambda tree: jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), tree, state)
 
     def feed(carry, row):
-        save, new_state = update(
-            carry[0],
-            step=row.step,
-            loss=row.loss,
-            step_time_s=row.step_time_s,
-            checkpoint_cost_s=row.checkpoint_cost_s,
-            mtbf_s=row.mtbf_s,
-            recovery_s=row.recovery_s,
-        )
-        return like(new_state), jnp.asarray(save, bool)
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        inputs = {k: nan if v is None else v for k, v in row._asdict().items() if k != "valid"}
+        level, new_state = update(carry[0], **inputs)
+        return like(new_state), level
 
     def body(carry, row):
         # A padding row is skipped, not computed and discarded: fed NaNs at step 0, a policy
@@ -181,8 +186,8 @@ def _update_many(policy: Policy, state: Any, batch: Batch) -> tuple[jnp.ndarray,
         keep = lambda carry, row: (like(carry[0]), carry[1])
         return jax.lax.cond(row.valid, feed, keep, carry, row), None
 
-    (state, save), _ = jax.lax.scan(body, (like(state), jnp.zeros((), bool)), batch)
-    return save, state
+    (state, level), _ = jax.lax.scan(body, (like(state), jnp.zeros((), jnp.int32)), batch)
+    return level, state
 
 
 def next_check(state: Any) -> jnp.ndarray:

@@ -24,6 +24,8 @@ from cocijax.policies._plan import Batch, next_check, update_many
 
 # Steps fed per dispatch (padded): one compilation whatever the number of skipped steps.
 BATCH = 64
+# The float inputs of a step, in the order of a recorded row's columns.
+_FLOAT_INPUTS = tuple(name for name in Batch._fields if name not in ("step", "valid"))
 
 
 @final
@@ -32,10 +34,10 @@ class Runner:
 
     Args:
       policy: a :class:`~cocijax.policies.Policy`.
-      broadcast: applied to the ``(steps, 5)`` float32 array of recorded inputs (loss, step
-        time, cost, MTBF, recovery) before they reach the policy, e.g. a broadcast from process
-        0 so that every process of a job takes the same decisions; ``None`` uses them as they
-        are.
+      broadcast: applied to the ``(steps, 8)`` float32 array of recorded inputs (the float
+        inputs of ``Policy.update``, loss first) before they reach the policy, e.g. a broadcast
+        from process 0 so that every process of a job takes the same decisions; ``None`` uses
+        them as they are.
 
     Example:
       >>> import numpy as np, cocijax as cj
@@ -55,6 +57,8 @@ class Runner:
                 "policy: expected a cocijax.policies.Policy (an (init, update) pair, e.g. "
                 f"cj.policies.coci()), got {type(policy).__name__}."
             )
+        if getattr(policy, "levels", 1) not in (1, 2):
+            raise ValueError(f"policy.levels: expected 1 or 2, got {policy.levels!r}.")
         self.policy = policy
         self._broadcast = broadcast
         self._update_many = update_many(policy)
@@ -62,7 +66,7 @@ class Runner:
         # the training step, and reading its decision would wait for the device.
         self._device = jax.local_devices(backend="cpu")[0]
         self._compiling: Future | None = None  # a compilation running in a thread
-        self._pending: list[tuple[int, Any, float, float, float, float]] = []
+        self._pending: list[tuple[Any, ...]] = []  # (step, loss, *the float inputs)
         # ``policy.init()`` runs when the state is first needed, not here: run eagerly it
         # compiles each of its operations (COCI's: 0.46 s in a fresh process), and a restarted
         # job replaces it with its saved state at once. Until then every step is checked.
@@ -148,37 +152,64 @@ class Runner:
         checkpoint_cost_s: float,
         mtbf_s: float = math.nan,
         recovery_s: float = math.nan,
+        persist_cost_s: float = math.nan,
+        machine_mtbf_s: float = math.nan,
+        machine_recovery_s: float = math.nan,
     ) -> bool:
         """Reports one completed step; True when the policy says to checkpoint after it.
 
         Arguments are those of ``Policy.update``; ``loss`` may be a number or a one-element
-        array (read only at the next check).
+        array (read only at the next check). True for a save of either level; a caller that
+        acts on levels calls :meth:`decide`.
         """
-        self._pending.append((int(step), loss, step_time_s, checkpoint_cost_s, mtbf_s, recovery_s))
+        return (
+            self.decide(
+                step,
+                loss=loss,
+                step_time_s=step_time_s,
+                checkpoint_cost_s=checkpoint_cost_s,
+                mtbf_s=mtbf_s,
+                recovery_s=recovery_s,
+                persist_cost_s=persist_cost_s,
+                machine_mtbf_s=machine_mtbf_s,
+                machine_recovery_s=machine_recovery_s,
+            )
+            > 0
+        )
+
+    def decide(self, step: int, *, loss: Any, **inputs: float) -> int:
+        """As :meth:`update`, but returns the level: 0 no save, 1 or 2 (see ``Policy.levels``).
+
+        A one-level policy's saves are level 2: every one of them is persisted.
+        """
+        row = [inputs.pop(name, math.nan) for name in _FLOAT_INPUTS[1:]]
+        if inputs:
+            raise TypeError(f"Runner.decide: unexpected inputs {sorted(inputs)}.")
+        self._pending.append((int(step), loss, *row))
         if step < self._next_check:
-            return False
+            return 0
         return self.flush()
 
-    def flush(self) -> bool:
-        """Feeds the recorded steps to the policy; returns the decision of the last one."""
+    def flush(self) -> int:
+        """Feeds the recorded steps to the policy; returns the level decided at the last one."""
         self._wait_compiled()
         self._initialised()
         if not self._pending:
-            return False
+            return 0
         steps = [row[0] for row in self._pending]
         values = np.asarray(
             [(_read(loss), *rest) for _, loss, *rest in self._pending], np.float32
-        ).reshape(len(steps), 5)
+        ).reshape(len(steps), len(_FLOAT_INPUTS))
         self._pending = []
         if self._broadcast is not None:
             values = np.asarray(self._broadcast(values), np.float32)
-        save = False
+        level = 0
         for start in range(0, len(steps), BATCH):
             end = start + BATCH
             rows = list(zip(steps[start:end], values[start:end], strict=True))
-            save, self._state = self._update_many(self._state, _batch(rows, len(rows)))
+            level, self._state = self._update_many(self._state, _batch(rows, len(rows)))
         self._next_check = int(next_check(self._state))
-        return bool(save)
+        return int(level)
 
 
 def _read(loss: Any) -> float:
@@ -189,16 +220,9 @@ def _read(loss: Any) -> float:
 
 def _batch(rows: list[tuple[int, np.ndarray]], valid: int) -> Batch:
     """A :class:`Batch` of ``BATCH`` rows, the first ``valid`` of them real."""
-    values = np.full((BATCH, 5), np.nan, np.float32)
+    values = np.full((BATCH, len(_FLOAT_INPUTS)), np.nan, np.float32)
     steps = np.zeros(BATCH, np.int32)
     for i, (step, row) in enumerate(rows):
         steps[i], values[i] = step, row
-    return Batch(
-        step=steps,
-        loss=values[:, 0],
-        step_time_s=values[:, 1],
-        checkpoint_cost_s=values[:, 2],
-        mtbf_s=values[:, 3],
-        recovery_s=values[:, 4],
-        valid=np.arange(BATCH) < valid,
-    )
+    columns = {name: values[:, i] for i, name in enumerate(_FLOAT_INPUTS)}
+    return Batch(step=steps, valid=np.arange(BATCH) < valid, **columns)

@@ -313,3 +313,32 @@ def test_a_failed_background_compilation_is_raised_at_the_first_check():
     runner.compile(background=True)
     with pytest.raises(ValueError, match="cannot be traced"):
         runner.update(3, loss=1.0, step_time_s=1.0, checkpoint_cost_s=1.0)
+
+
+def _alternating_levels(levels=2):
+    """A two-level policy of its own: level 1 at every 2nd step, level 2 at every 6th."""
+    jnp = jax.numpy
+
+    def update(state, *, step, persist_cost_s, **_):
+        level = jnp.where(step % 6 == 0, 2, jnp.where(step % 2 == 0, 1, 0))
+        # Reads a two-level input: the runner must pass it (a NaN passes through).
+        return jnp.where(jnp.isnan(persist_cost_s), -1, level), state
+
+    return cj.policies.Policy(lambda: jnp.zeros(()), jax.jit(update), levels=levels)
+
+
+def test_a_two_level_policy_s_levels_reach_the_runner_and_one_level_saves_are_level_2():
+    runner = cj.policies.Runner(_alternating_levels())
+    inputs = dict(loss=1.0, step_time_s=1.0, checkpoint_cost_s=0.5)
+    levels = [runner.decide(s, **inputs, persist_cost_s=30.0) for s in range(1, 13)]
+    assert levels == [0, 1, 0, 1, 0, 2, 0, 1, 0, 1, 0, 2]
+    one_level = cj.policies.Runner(cj.policies.fixed(3))
+    assert [one_level.decide(s, **inputs) for s in (1, 2, 3)] == [0, 0, 2]
+    assert one_level.update(6, **inputs) is True
+    with pytest.raises(TypeError, match="persist_cost"):
+        one_level.decide(7, **inputs, persist_cost=1.0)
+
+
+def test_a_runner_refuses_a_level_count_other_than_1_or_2():
+    with pytest.raises(ValueError, match=r"policy\.levels: expected 1 or 2, got 3"):
+        cj.policies.Runner(_alternating_levels(levels=3))
