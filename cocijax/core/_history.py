@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, final
 
+import psutil
+
 MARKER = ".cocijax-running"
 # Bounds of a saved history, beyond which it is refused as damaged: a million restarts, and
 # 10^9 s (32 years) of training or of one recovery, are more than any job has.
@@ -59,10 +61,8 @@ MAX_MTBF_S = 1e12
 def process_age_s() -> float | None:
     """Seconds since this process started, or None where the platform does not tell."""
     try:
-        import psutil
-
         return max(0.0, time.time() - psutil.Process().create_time())
-    except Exception:  # psutil missing, or no permission to read the process table
+    except Exception:  # no permission to read the process table
         return None
 
 

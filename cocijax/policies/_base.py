@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cocijax._validate import NONNEGATIVE, POSITIVE, UNIT, check
 
@@ -185,10 +186,18 @@ class Clock(NamedTuple):
 
 
 def clock_init() -> Clock:
-    nan = jnp.asarray(jnp.nan, jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    izero = jnp.zeros((), jnp.int32)
-    return Clock(nan, nan, zero, zero, izero, izero, jnp.ones((), jnp.int32))
+    return jax.device_put(clock_constants())
+
+
+def clock_constants() -> Clock:
+    """:func:`clock_init`'s values as NumPy scalars, for an ``init`` that places its state once.
+
+    Built with NumPy, not jnp: run eagerly, each jnp constructor compiles an XLA program, and
+    traced (``jax.eval_shape(policy.init)``, as a restarted job reads its saved state) each is
+    an operation to trace.
+    """
+    nan, zero, izero = np.float32(np.nan), np.float32(0.0), np.int32(0)
+    return Clock(nan, nan, zero, zero, izero, izero, np.int32(1))
 
 
 def _ema(old, sample, valid, alpha):

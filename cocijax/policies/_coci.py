@@ -192,23 +192,25 @@ def coci(
         given_mtbf, prior_mtbf, given_rec, prior_rec, tw, total_steps, wmax, p, h_lo, h_hi, rf,
         min_points, cost_prior,
     )  # fmt: skip
-    # Transfers of numpy scalars: jnp.zeros, jnp.asarray and their like compile an XLA program
-    # each when run eagerly (constructing the policy took 147 ms in a fresh process, now 9 ms).
-    nan, zero = jax.device_put(np.float32(np.nan)), jax.device_put(np.float32(0.0))
-    izero = jax.device_put(np.int32(0))
+    # The initial state is NumPy, placed at each init: jnp constructors would each compile an
+    # XLA program when run eagerly, and each be an operation to trace in jax.eval_shape(init).
+    nan, zero, izero = np.float32(np.nan), np.float32(0.0), np.int32(0)
     bins = _horizon.NUM_BINS
+    empty = _horizon.Plan(
+        np.zeros(bins + 1, np.float32),
+        np.ones(bins, np.float32),
+        np.zeros(bins + 1, np.float32),
+        _horizon.costs(
+            1.0, cost_prior, _assumed_recovery(cfg, prior_mtbf, xp=np), prior_mtbf, xp=np
+        ),
+    )
+    initial = CociState(
+        _base.clock_constants(), izero, nan, nan, nan, zero, zero, np.float32(1.0), empty,
+        izero, izero, zero, nan,
+    )  # fmt: skip
 
     def init() -> CociState:
-        empty = _horizon.Plan(
-            jnp.zeros(bins + 1, jnp.float32),
-            jnp.ones(bins, jnp.float32),
-            jnp.zeros(bins + 1, jnp.float32),
-            _horizon.costs(1.0, cost_prior, _assumed_recovery(cfg, prior_mtbf), prior_mtbf),
-        )
-        return CociState(
-            _base.clock_init(), izero, nan, nan, nan, zero, zero, jnp.ones((), jnp.float32),
-            empty, izero, izero, zero, nan,
-        )  # fmt: skip
+        return jax.device_put(initial)
 
     return _base.make_policy(
         init,
@@ -305,9 +307,9 @@ def _rule(cfg: _Settings, state: CociState, seen: _base.Seen):
     )
 
 
-def _assumed_recovery(cfg: _Settings, mtbf):
+def _assumed_recovery(cfg: _Settings, mtbf, *, xp=jnp):
     """The recovery time assumed before one is measured: the prior, at most a share of the MTBF."""
-    return jnp.minimum(cfg.prior_rec, PRIOR_RECOVERY_MTBF_SHARE * mtbf)
+    return xp.minimum(cfg.prior_rec, PRIOR_RECOVERY_MTBF_SHARE * mtbf)
 
 
 def _weight_if_ends_at(cfg: _Settings, track: _Track, k, n_end):

@@ -63,10 +63,11 @@ class Plan(NamedTuple):
     costs: Costs  # the cost model the values were computed with
 
 
-def costs(step_time, cost, recovery_s, mtbf_s) -> Costs:
-    lam = 1.0 / jnp.asarray(mtbf_s, jnp.float32)
-    rec = jnp.expm1(jnp.minimum(lam * recovery_s, _MAX_EXPONENT)) / lam
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+def costs(step_time, cost, recovery_s, mtbf_s, *, xp=jnp) -> Costs:
+    """The cost model of a plan; ``xp=np`` computes it from numbers without tracing."""
+    f32 = lambda x: xp.asarray(x, xp.float32)
+    lam = 1.0 / f32(mtbf_s)
+    rec = xp.expm1(xp.minimum(lam * f32(recovery_s), f32(_MAX_EXPONENT))) / lam
     return Costs(f32(step_time), f32(cost), f32(rec), lam)
 
 

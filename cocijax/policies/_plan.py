@@ -196,5 +196,6 @@ def next_check(state: Any) -> jnp.ndarray:
     Every policy of :mod:`cocijax.policies` keeps it in ``state.clock.next_check``; a policy
     state of your own without it is checked at every step.
     """
-    clock = getattr(state, "clock", None)
-    return getattr(clock, "next_check", jnp.ones((), jnp.int32))
+    next_step = getattr(getattr(state, "clock", None), "next_check", None)
+    # NumPy, not jnp, for the default: a jnp constant built eagerly compiles on first use.
+    return np.ones((), np.int32) if next_step is None else next_step
