@@ -2,12 +2,22 @@
 
 Eight simulated CPU devices let sharding tests run on a machine without accelerators; the flag
 must be set before JAX initialises its backend, hence here and not in a fixture.
+
+JAX's persistent compilation cache is shared by the test processes and every child they start
+(children inherit the environment): the suite compiles the same policy updates and training
+steps in hundreds of processes. A size limit turns on the cache's file lock, which makes one
+cache safe to share between processes (``filelock``).
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**31))
 
 
 import contextlib

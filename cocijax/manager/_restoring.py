@@ -26,7 +26,7 @@ from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM, checked_once
 from cocijax.manager._gc import quarantine
 from cocijax.manager._items import check_extra
 from cocijax.manager._orbax_steps import restore_orbax_step
-from cocijax.manager._policy_item import PolicyStateRestore
+from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
 from cocijax.manager._saving import wait_for_save
 
 if TYPE_CHECKING:
@@ -220,7 +220,11 @@ def load_policy(
         else mngr._step_dir(step) / POLICY_ITEM
     )
     try:
-        data = restore_items(mngr, step, where, {POLICY_ITEM: PolicyStateRestore()})[POLICY_ITEM]
+        if where == "local":  # the item's own reader: Orbax's restore would find the step again
+            data = PolicyStateHandler().restore(path)
+        else:
+            data = restore_items(mngr, step, where, {POLICY_ITEM: PolicyStateRestore()})
+            data = data[POLICY_ITEM]
     except (ValueError, OSError, KeyError, storage.CorruptCheckpointError) as e:
         reason = f"the policy state of step {step} cannot be read ({e})"
         driver.start_fresh(reason, stacklevel=stacklevel)
