@@ -195,15 +195,10 @@ def coci(
     # The initial state is NumPy, placed at each init: jnp constructors would each compile an
     # XLA program when run eagerly, and each be an operation to trace in jax.eval_shape(init).
     nan, zero, izero = np.float32(np.nan), np.float32(0.0), np.int32(0)
-    bins = _horizon.NUM_BINS
-    empty = _horizon.Plan(
-        np.zeros(bins + 1, np.float32),
-        np.ones(bins, np.float32),
-        np.zeros(bins + 1, np.float32),
-        _horizon.costs(
-            1.0, cost_prior, _assumed_recovery(cfg, prior_mtbf, xp=np), prior_mtbf, xp=np
-        ),
-    )
+    bins, rec = _horizon.NUM_BINS, _assumed_recovery(cfg, prior_mtbf, xp=np)
+    zeros = np.zeros(bins + 1, np.float32)
+    costs = _horizon.costs(1.0, cost_prior, rec, prior_mtbf, xp=np)
+    empty = _horizon.Plan(zeros, np.ones(bins, np.float32), zeros, costs)
     initial = CociState(
         _base.clock_constants(), izero, nan, nan, nan, zero, zero, np.float32(1.0), empty,
         izero, izero, zero, nan,

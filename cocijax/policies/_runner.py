@@ -144,38 +144,17 @@ class Runner:
             future.result()
 
     def update(
-        self,
-        step: int,
-        *,
-        loss: Any,
-        step_time_s: float,
-        checkpoint_cost_s: float,
-        mtbf_s: float = math.nan,
-        recovery_s: float = math.nan,
-        persist_cost_s: float = math.nan,
-        machine_mtbf_s: float = math.nan,
-        machine_recovery_s: float = math.nan,
+        self, step: int, *, loss: Any, step_time_s: float, checkpoint_cost_s: float, **more: float
     ) -> bool:
         """Reports one completed step; True when the policy says to checkpoint after it.
 
-        Arguments are those of ``Policy.update``; ``loss`` may be a number or a one-element
-        array (read only at the next check). True for a save of either level; a caller that
-        acts on levels calls :meth:`decide`.
+        Arguments are those of ``Policy.update`` (``more``: ``mtbf_s``, ``recovery_s`` and the
+        two-level inputs); ``loss`` may be a number or a one-element array (read only at the
+        next check). True for a save of either level; a caller that acts on levels calls
+        :meth:`decide`.
         """
-        return (
-            self.decide(
-                step,
-                loss=loss,
-                step_time_s=step_time_s,
-                checkpoint_cost_s=checkpoint_cost_s,
-                mtbf_s=mtbf_s,
-                recovery_s=recovery_s,
-                persist_cost_s=persist_cost_s,
-                machine_mtbf_s=machine_mtbf_s,
-                machine_recovery_s=machine_recovery_s,
-            )
-            > 0
-        )
+        inputs = dict(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, **more)
+        return self.decide(step, loss=loss, **inputs) > 0
 
     def decide(self, step: int, *, loss: Any, **inputs: float) -> int:
         """As :meth:`update`, but returns the level: 0 no save, 1 or 2 (see ``Policy.levels``).
