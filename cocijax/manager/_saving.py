@@ -112,7 +112,7 @@ def write_step(
                     **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
                 )
 
-            if memory is not None:  # first: the disk's host copy then overlaps its writes
+            if memory is not None:  # first: what a restart after a process failure reads
                 memory.save(
                     step, args(), nbytes=nbytes, metrics=metrics, custom_metadata=custom_metadata
                 )

@@ -103,6 +103,24 @@ def test_without_a_memory_tier_a_level_1_save_goes_to_the_disk_but_not_the_durab
         assert set(mngr.durable_steps()) <= {2, 6} and 6 in mngr.durable_steps()
 
 
+def test_a_forced_save_and_a_preemption_save_are_persisted(tmp_path, memory):
+    with cj.CheckpointManager(
+        tmp_path / "ckpt",
+        policy=alternating(),
+        memory=memory,
+        durable=tmp_path / "durable",
+        preemption_signals=(signal.SIGUSR1,),
+        exit_on_preemption=False,  # SIGUSR1's default action would end the test's process
+    ) as mngr:
+        train(mngr, range(1, 5))  # 2 (the early save) persisted, 4 in memory only
+        assert mngr.save(5, state_at(5), loss=1.0, force=True)
+        os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, delivered by the kernel
+        assert mngr.save(7, state_at(7), loss=1.0) and mngr.reached_preemption  # policy: no
+        mngr.wait_until_finished(durable=True)
+        assert mngr._local_steps() == [2, 5, 7] and mngr.memory_steps() == [5, 7]
+        assert 7 in mngr.durable_steps()
+
+
 def test_restore_reads_memory_first_then_the_disk_and_says_which(tmp_path, memory, caplog):
     directory = tmp_path / "ckpt"
     with cj.CheckpointManager(directory, policy=alternating(), memory=memory) as mngr:
