@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -205,11 +206,12 @@ class MemoryTier:
                 self._lock.acquire()
             except DirectoryLockedError as e:
                 self._lock = None
+                holder = re.search(r"CheckpointManager: (.*) \(lock ", str(e))
                 raise DirectoryLockedError(
                     f"memory: the memory folder {self.path} is in use by another "
-                    f"CheckpointManager of the same job ({str(e).split(': ', 2)[-1]}). Two "
-                    "managers of one directory (or of copies of it) cannot share a memory tier: "
-                    "close the other one, or give this one another memory= folder."
+                    f"CheckpointManager of the same job ({holder[1] if holder else 'unknown'}). "
+                    "Two managers of one directory (or of copies of it) cannot share a memory "
+                    "tier: close the other one, or give this one another memory= folder."
                 ) from None
             self._check_owner(directory)
             self._remove_uncommitted()
