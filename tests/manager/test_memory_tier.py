@@ -121,6 +121,19 @@ def test_a_forced_save_and_a_preemption_save_are_persisted(tmp_path, memory):
         assert 7 in mngr.durable_steps()
 
 
+def test_with_external_roots_garbage_collection_keeps_every_listed_step_whole(tmp_path, memory):
+    directory, roots = tmp_path / "ckpt", [tmp_path / "r1", tmp_path / "r2"]
+    with cj.CheckpointManager(
+        directory, roots=roots, policy=alternating(), memory=memory, max_to_keep=2
+    ) as mngr:
+        train(mngr, range(1, 21))
+        assert mngr.memory_steps() == [18, 20] and mngr._local_steps() == [12, 18]
+    with cj.CheckpointManager(directory, roots=roots, policy=alternating(), memory=memory) as m:
+        for step, tier in [(18, "memory"), (20, "memory"), (12, "local"), (18, "local")]:
+            restored = m.restore(step, tier=tier)
+            np.testing.assert_array_equal(restored["w"], state_at(step)["w"])
+
+
 def test_restore_reads_memory_first_then_the_disk_and_says_which(tmp_path, memory, caplog):
     directory = tmp_path / "ckpt"
     with cj.CheckpointManager(directory, policy=alternating(), memory=memory) as mngr:
