@@ -104,6 +104,15 @@ class Measurements(NamedTuple):
       failures: failures of the job so far, as the directory recorded them.
       drain_s: how long the last drain to the durable tier took, from the local commit to the
         durable manifest (NaN without a durable tier or before the first drain).
+      persist_cost_estimate_s: the cost estimate of a persisted (level-2) save. A two-level
+        policy is given it as ``persist_cost_s``, and ``cost_estimate_s``, ``mtbf_s`` and
+        ``recovery_s`` are then its level-1 save's and the process failures' (see
+        ``Policy.levels``); a one-level policy's saves are all level 2.
+      machine_mtbf_s: the MTBF of machine failures (the memory tier lost): what a two-level
+        policy used, else the one learned (the prior's share until one is counted).
+      machine_recovery_s: the recovery time after a machine failure (NaN before the first).
+      machine_failures: how many of ``failures`` lost the machine's memory (a memory tier's
+        marker gone, see ``cocijax.core._history``); the others were process failures.
     """
 
     step_time_s: float
@@ -114,6 +123,10 @@ class Measurements(NamedTuple):
     recovery_s: float = math.nan
     failures: int = 0
     drain_s: float = math.nan
+    persist_cost_estimate_s: float = math.nan
+    machine_mtbf_s: float = math.nan
+    machine_recovery_s: float = math.nan
+    machine_failures: int = 0
 
 
 MAX_STEP = 2**31 - 1

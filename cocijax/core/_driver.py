@@ -30,6 +30,16 @@ prior from the state's size (:func:`~cocijax.core._policy_inputs.prior_cost_s`; 
 give the size at their first ``save`` call), unless it was built with a ``cost_prior_s`` of its
 own, which wins. A policy whose decisions do not depend on the cost (``fixed``:
 ``Policy.uses_cost``) gets no early save.
+
+**Two levels.** A two-level policy (``Policy.levels == 2``) decides a level per save
+(:meth:`PolicyDriver.decide_level`): 1, a save that survives a process failure (a memory tier),
+or 2, a persisted save. The managers time each level's saves apart (:meth:`PolicyDriver.saving`
+with the level) and the policy gets both: ``checkpoint_cost_s`` is the level-1 stall (the
+level-2 one until a level-1 save is timed: it costs no more), ``persist_cost_s`` the level-2
+stall, and each failure class's MTBF and recovery time (``mtbf_s``/``recovery_s`` the process
+failures', ``machine_mtbf_s``/``machine_recovery_s`` the machine failures', see
+:mod:`cocijax.core._history`). A one-level policy's saves are all level 2; it is fed as before,
+the MTBF of every failure. The early save, the final step's and a forced one are level 2.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ import numpy as np
 from cocijax._validate import POSITIVE, check
 from cocijax.core import _policy_state
 from cocijax.core._contract import Measurements
-from cocijax.core._history import RunHistory
+from cocijax.core._history import MACHINE, PROCESS, RunHistory
 from cocijax.core._policy_inputs import COST_JUMP, RecentTimes, prior_cost_s, read_loss
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
 from cocijax.policies._base import DEFAULT_COST_PRIOR_S
@@ -179,7 +189,9 @@ class PolicyDriver:
         self._step_times = RecentTimes()
         self._timed_steps = 0  # step times measured (two for a checkpoint's: its job fed them)
         self._rough_step_times = False  # they are only upper bounds (see _measured)
-        self._costs = RecentTimes(jump=COST_JUMP)
+        self._costs = RecentTimes(jump=COST_JUMP)  # level-2 saves' (a one-level policy's all)
+        self._level1_costs = RecentTimes(jump=COST_JUMP)  # a two-level policy's level-1 saves'
+        self.levels = getattr(policy, "levels", 1)
         # The cost assumed until one is measured (module docstring): from the state's size,
         # once a manager tells it; NaN lets the policy use its own ``cost_prior_s``, which
         # wins when it was given one.
@@ -188,7 +200,7 @@ class PolicyDriver:
         self.wants_state_size = self._early_save and self._own_cost_prior_s is None
         self._mark: float | None = None  # end of the previous call; None: the next is untimed
         self._saved_last = False  # the previous decision was "save" (cost_from_intervals)
-        self._last: tuple[Any, float, float] = (math.nan, math.nan, math.nan)
+        self._last: tuple[Any, dict, float] = (math.nan, {}, math.nan)  # see measurements
 
     @property
     def state(self) -> Any:
@@ -223,6 +235,36 @@ class PolicyDriver:
         """The recovery time passed to the policy (NaN until one is measured)."""
         return math.nan if self.history is None else self.history.recovery_s
 
+    def class_mtbf_s(self, failure_class: str) -> float:
+        """The learned MTBF of one failure class (NaN without a history or a prior)."""
+        if self.history is None or not math.isfinite(self._prior_mtbf_s):
+            return math.nan
+        return self.history.class_mtbf_s(failure_class, self._prior_mtbf_s)
+
+    def _class_recovery_s(self, failure_class: str) -> float:
+        return math.nan if self.history is None else self.history.class_recovery_s(failure_class)
+
+    def _inputs(self, step_time: float) -> dict[str, float]:
+        """What the policy is given besides the step and its loss (see the module docstring)."""
+        # Before any measurement, a policy with a prior of its own is given none.
+        cost = self._costs.value if self._costs.values else self._cost_prior_s
+        if self.levels == 1:
+            return dict(
+                step_time_s=step_time,
+                checkpoint_cost_s=cost,
+                mtbf_s=self.mtbf_s,
+                recovery_s=self.recovery_s,
+            )
+        return dict(
+            step_time_s=step_time,
+            checkpoint_cost_s=self._level1_costs.value if self._level1_costs.values else cost,
+            persist_cost_s=cost,
+            mtbf_s=self.class_mtbf_s(PROCESS),
+            recovery_s=self._class_recovery_s(PROCESS),
+            machine_mtbf_s=self.class_mtbf_s(MACHINE),
+            machine_recovery_s=self._class_recovery_s(MACHINE),
+        )
+
     def state_size(self, nbytes: float) -> None:
         """Sets the cost prior from the size of the state saved (:func:`prior_cost_s`)."""
         self.wants_state_size = False
@@ -234,17 +276,24 @@ class PolicyDriver:
         A value the policy was built with (``coci(mtbf_s=...)``) is what it used, so that is
         the MTBF or recovery time reported.
         """
-        loss, step_time, cost = self._last
-        own_mtbf, own_recovery = (getattr(self.policy, k, None) for k in ("mtbf_s", "recovery_s"))
+        loss, inputs, cost = self._last
+        inputs = inputs or self._inputs(math.nan)  # before the first decision: as of now
+        own = {k: getattr(self.policy, k, None) for k in ("mtbf_s", "recovery_s")}
+        used = {k: v if own.get(k) is None else own[k] for k, v in inputs.items()}
+        # A one-level policy is given no machine class's values: the learned ones are shown.
         return Measurements(
-            step_time_s=step_time,
+            step_time_s=used.get("step_time_s", math.nan),
             loss=read_loss(loss),
             cost_estimate_s=cost,
             last_save_s=self.cost_s,
-            mtbf_s=self.mtbf_s if own_mtbf is None else own_mtbf,
-            recovery_s=self.recovery_s if own_recovery is None else own_recovery,
+            mtbf_s=used.get("mtbf_s", math.nan),
+            recovery_s=used.get("recovery_s", math.nan),
             failures=0 if self.history is None else self.history.failures,
             drain_s=math.nan if self._drain_s is None else self._drain_s(),
+            persist_cost_estimate_s=self.cost_estimate_s,
+            machine_mtbf_s=used.get("machine_mtbf_s", self.class_mtbf_s(MACHINE)),
+            machine_recovery_s=used.get("machine_recovery_s", self._class_recovery_s(MACHINE)),
+            machine_failures=0 if self.history is None else self.history.machine_failures,
         )
 
     def restart_timing(self) -> None:
@@ -253,6 +302,10 @@ class PolicyDriver:
         self._saved_last = False
 
     def decide(self, step: int, *, loss: Any) -> bool:
+        """:meth:`decide_level`, as a bool: True for a save of either level."""
+        return self.decide_level(step, loss=loss) > 0
+
+    def decide_level(self, step: int, *, loss: Any) -> int:
         """Measures the step that just ended, feeds it to the policy and returns its decision.
 
         Args:
@@ -262,9 +315,9 @@ class PolicyDriver:
             check.
 
         Returns:
-          True when the policy says to checkpoint after this step, it is the final step
-          (``save_final_step``), or it is the first timed step and no save cost is known yet
-          (see the module docstring).
+          The level: 0 no save; 1 a two-level policy's level-1 save; 2 a persisted save: a
+          one-level policy's save, the final step (``save_final_step``), or the first timed
+          step while no save cost is known yet (see the module docstring).
         """
         now = self._clock()
         # Whether this step was timed without a save in it (a cost_from_intervals caller's
@@ -278,24 +331,19 @@ class PolicyDriver:
         # One step time could be a pause: the policy gets step times once two were measured
         # (or a checkpoint's, which its job fed).
         step_time = self.step_time_s if self._timed_steps > 1 else math.nan
-        # Before any measurement, a policy with a prior of its own is given none.
-        cost = self._costs.value if self._costs.values else self._cost_prior_s
-        self._last = (loss, step_time, self.cost_estimate_s)
-        decision = self.runner.update(
-            step,
-            loss=loss,
-            step_time_s=step_time,
-            checkpoint_cost_s=cost,
-            mtbf_s=self.mtbf_s,
-            recovery_s=self.recovery_s,
-        )
+        inputs = self._inputs(step_time)
+        # The cost shown: the estimate (its prior included) of a level-1 save for two levels.
+        shown = self._level1_costs.value if self._level1_costs.values else self.cost_estimate_s
+        self._last = (loss, inputs, self.cost_estimate_s if self.levels == 1 else shown)
+        level = self.runner.decide(step, loss=loss, **inputs)
         early = clean and self._early_save and not self._costs.values
         if early:
             self._early_save = False  # once: a save whose timing was lost is not redone
-        decision = decision or early or step == self._final_step
-        self._saved_last = decision
+        if early or step == self._final_step:
+            level = 2
+        self._saved_last = level > 0
         self._mark = self._clock()
-        return decision
+        return level
 
     def _measured(self, interval: float, *, clean: bool) -> None:
         """Takes the interval since the previous call: a step time, or a step and a save."""
@@ -324,8 +372,13 @@ class PolicyDriver:
         return max(prior, DEFAULT_COST_PRIOR_S) if math.isfinite(prior) else DEFAULT_COST_PRIOR_S
 
     @contextlib.contextmanager
-    def saving(self) -> Iterator[dict[str, float]]:
+    def saving(self, level: int = 2) -> Iterator[dict[str, float]]:
         """Times a save's blocking part as the checkpoint cost; the next step excludes it.
+
+        Args:
+          level: the save's level: a level-1 save's stall is a two-level policy's
+            ``checkpoint_cost_s``, a level-2 save's its ``persist_cost_s`` (a one-level
+            policy's saves are all level 2).
 
         Yields a dict whose ``"cost_s"`` is filled in when the block exits (also on an error).
         """
@@ -335,16 +388,19 @@ class PolicyDriver:
             yield measured
         finally:
             end = self._clock()
-            self._costs.add(end - start, self._cost_reference)
-            self._early_save = False  # a cost is measured (or its clock jumped back)
+            costs = self._level1_costs if level == 1 else self._costs
+            costs.add(end - start, self._cost_reference)
+            if level == 2:
+                self._early_save = False  # a cost is measured (or its clock jumped back)
             measured["cost_s"] = self.cost_s = max(end - start, 0.0)
             self._mark = end
 
-    def snapshot(self, loss: Any) -> dict[str, Any]:
+    def snapshot(self, loss: Any, level: int = 2) -> dict[str, Any]:
         """Captures what the checkpoint of the current step records (no device sync).
 
         Args:
           loss: the current step's loss as given by the user (read later, off the train loop).
+          level: the level of the save that records it (its cost joins that level's).
         """
         return {
             "leaves": jax.tree_util.tree_flatten_with_path(self.state)[0],  # as of this step
@@ -352,6 +408,8 @@ class PolicyDriver:
             "step": self.step,
             "step_times": self._step_times.copy(),
             "costs": self._costs.copy(),
+            "level1_costs": self._level1_costs.copy(),
+            "level": level,
             "cost_reference": self._cost_reference,
             "cost_s": self.cost_s,
             "loss": loss,
@@ -383,6 +441,7 @@ class PolicyDriver:
         self.runner.state = saved.policy_state
         self.step = saved.step
         self._step_times, self._costs, self.loss = saved.step_times, saved.costs, saved.loss
+        self._level1_costs = saved.level1_costs
         self._timed_steps = 2 if saved.step_times.values else 0
         self._rough_step_times = False
         self.cost_s = saved.cost_s if saved.cost_s >= 0.0 else math.nan

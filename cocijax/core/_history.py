@@ -23,6 +23,15 @@ either. The directory can tell:
   ``prior_mtbf_s`` seconds, so ``E[lam] = (1 + failures) / (prior_mtbf_s + T)`` and the MTBF
   used is its inverse, kept within ``[MIN_MTBF_S, MAX_MTBF_S]``. With no history it is the
   prior; every failure and every hour of uptime moves it towards the job's own rate.
+* **Failure classes.** With a memory tier (a folder on tmpfs) a writer also marks the tier
+  (its own marker, holding a token the directory's marker repeats). A failed run whose memory
+  marker survived was a *process failure* (the process died, the machine's memory did not:
+  a memory snapshot recovers it); one whose memory marker is gone while the directory's says
+  the run had one was a *machine failure* (a reboot, a lost host: only the disk or durable
+  tier recovers it). Each class's rate is learned as above with its own prior, the prior's
+  rate split :data:`MACHINE_SHARE` to machines (see :meth:`RunHistory.class_mtbf_s`); without a
+  memory tier every failure is a process failure. Each class's recovery time is that of the
+  runs that followed a failure of the class.
 * **Recovery.** From the process start (or the manager's opening, if the start is unknown) to
   the first training step after a restore: imports, compilation, restore. Recorded with each
   checkpoint; the last measured value is used.
@@ -56,6 +65,12 @@ MAX_SECONDS = 1e9
 # The ceiling keeps a finite value finite in float32 too.
 MIN_MTBF_S = 1.0
 MAX_MTBF_S = 1e12
+# The share of failures that lose the machine (its memory), in the prior of the two classes:
+# most interruptions of large jobs leave the host's memory intact (Llama 3 405B: 78% of 419
+# were hardware, mostly GPUs and their memory; the host survived them).
+MACHINE_SHARE = 0.2
+# The failure classes (see the module docstring).
+PROCESS, MACHINE = "process", "machine"
 
 
 def process_age_s() -> float | None:
@@ -85,21 +100,31 @@ def check_saved(saved: Any) -> tuple[dict[str, float] | None, str]:
       saved: the decoded ``history`` entry of a policy item, or None.
 
     Returns:
-      ``(history, "")`` with ``uptime_s``, ``failures`` and ``recovery_s`` (NaN: none
-      measured), a missing field taking its value of a fresh job; or ``(None, reason)`` when
+      ``(history, "")`` with ``uptime_s``, ``failures``, ``machine_failures`` and the
+      recovery times ``recovery_s`` (the last, any class), ``process_recovery_s`` and
+      ``machine_recovery_s`` (NaN: none measured), a missing field taking its value of a
+      fresh job; or ``(None, reason)`` when
       the history is not one a job can have.
     """
     if saved is None:
-        return {"uptime_s": 0.0, "failures": 0, "recovery_s": math.nan}, ""
+        saved = {}
     if not isinstance(saved, dict):
         return None, f"the history is a {type(saved).__name__}, not an object"
     failures = saved.get("failures", 0)
     if type(failures) is not int or not 0 <= failures <= MAX_FAILURES:
         return None, f"failures={failures!r} is not an integer in [0, {MAX_FAILURES}]"
-    out: dict[str, Any] = {"failures": failures}
-    for name, default in (("uptime_s", 0.0), ("recovery_s", None)):
+    machine = saved.get("machine_failures", 0)
+    if type(machine) is not int or not 0 <= machine <= failures:
+        return None, f"machine_failures={machine!r} is not an integer in [0, failures={failures}]"
+    out: dict[str, Any] = {"failures": failures, "machine_failures": machine}
+    for name, default in (
+        ("uptime_s", 0.0),
+        ("recovery_s", None),
+        ("process_recovery_s", None),
+        ("machine_recovery_s", None),
+    ):
         value = saved.get(name, default)
-        if value is None and name == "recovery_s":
+        if value is None and name != "uptime_s":
             out[name] = math.nan
             continue
         if type(value) not in (int, float) or not 0.0 <= value <= MAX_SECONDS:
@@ -119,10 +144,15 @@ class RunHistory:
         processes of a job only read what is saved with the checkpoints.
       opened_at_age_s: the process's age when the manager opened, if known (see
         :func:`process_age_s`): recovery is measured from the process start then.
+      memory_marker: the writer's marker in its memory tier (a file on tmpfs), or None without
+        one: whether it survived a failed run tells a process failure from a machine failure.
 
     Attributes:
       failures: failures of the job so far (runs that did not close cleanly).
-      recovery_s: the last measured recovery time in seconds (NaN before the first).
+      machine_failures: those of them that lost the machine's memory (see the module docstring).
+      failure_class: the class of the failure this run recovers from (``"process"`` or
+        ``"machine"``), or None after a clean close (or for a reader).
+      recovery_s: the last measured recovery time in seconds, any class (NaN before the first).
     """
 
     def __init__(
@@ -132,41 +162,52 @@ class RunHistory:
         clock: Callable[[], float] = time.monotonic,
         writer: bool = True,
         opened_at_age_s: float | None = None,
+        memory_marker: os.PathLike | str | None = None,
     ):
         self._marker = Path(directory) / MARKER
+        self._memory_marker = None if memory_marker is None else Path(memory_marker)
+        self._token = os.urandom(8).hex()  # this run's, in both markers
         self._clock = clock
         self._writer = writer
         self._opened = clock()
         self._session_start = self._opened - (opened_at_age_s or 0.0)
         self._saved_uptime_s = 0.0  # uptime of previous runs, from the newest checkpoint
-        # The marker's count of the job's failures (those of runs that no checkpoint recorded
-        # included), and whether the run that wrote it failed (did not close cleanly).
-        self._marked, self._unclean = 0, False
-        self._recorded = 0  # failures the newest checkpoint records
+        # The marker's counts of the job's failures (those of runs that no checkpoint recorded
+        # included), and the class of the previous run's failure (None: it closed cleanly).
+        self._marked, self._marked_machine, self.failure_class = 0, 0, None
+        self._recorded = self._recorded_machine = 0  # failures the newest checkpoint records
         self._failed = False  # this run left by an exception: its close keeps the marker
-        self.failures = 0
+        self.failures = self.machine_failures = 0
         self.recovery_s = math.nan
+        self._class_recovery_s = {PROCESS: math.nan, MACHINE: math.nan}
         self._recovering = False
         if writer:
-            self._marked, self._unclean = self._read_marker()
-            self.failures = min(self._marked + self._unclean, MAX_FAILURES)
+            self._marked, self._marked_machine, self.failure_class = self._read_marker()
+            self.failures, self.machine_failures = self._counted()
             self._write_marker()
 
-    def _read_marker(self) -> tuple[int, bool]:
-        """The previous run's marker: ``(failures it counted, whether that run failed)``."""
+    def _counted(self) -> tuple[int, int]:
+        """The job's failures of both kinds: those on record plus this run's cause."""
+        machine = max(self._marked_machine, self._recorded_machine)
+        machine += self.failure_class == MACHINE
+        total = max(self._marked, self._recorded) + (self.failure_class is not None)
+        return min(total, MAX_FAILURES), min(machine, total, MAX_FAILURES)
+
+    def _read_marker(self) -> tuple[int, int, str | None]:
+        """The previous run's marker: ``(failures, machine failures, class of its failure)``."""
         try:
             text = self._marker.read_bytes().decode()
         except UnicodeDecodeError:
             text = ""  # corrupt: reported below
         except FileNotFoundError:
-            return 0, False  # it closed cleanly with every failure recorded
+            return 0, 0, None  # it closed cleanly with every failure recorded
         except OSError as e:
             warnings.warn(
                 f"{self._marker}: cannot read the running marker ({e}); counted as one failure.",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return 0, True
+            return 0, 0, PROCESS
         try:
             mark = json.loads(text)
         except (json.JSONDecodeError, RecursionError):
@@ -178,22 +219,45 @@ class RunHistory:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return 0, True
+            return 0, 0, PROCESS
         # A marker written before markers held a count reads as 0, and "running".
-        return counted["failures"], mark.get("closed") is not True
+        failed = mark.get("closed") is not True
+        token = mark.get("memory_token")
+        lost = failed and isinstance(token, str) and self._memory_token() != token
+        return (
+            counted["failures"],
+            counted["machine_failures"],
+            ((MACHINE if lost else PROCESS) if failed else None),
+        )
+
+    def _memory_token(self) -> str | None:
+        """The token in the memory tier's marker (None: gone, or no memory tier now)."""
+        if self._memory_marker is None:
+            return None
+        try:
+            return json.loads(self._memory_marker.read_bytes()).get("token")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
 
     def _write_marker(self, *, closed: bool = False) -> None:
-        mark = {"pid": os.getpid(), "opened_unix_s": time.time(), "failures": self.failures}
-        tmp = self._marker.with_name(MARKER + ".tmp")
-        tmp.write_text(json.dumps({**mark, "closed": closed}))
-        os.replace(tmp, self._marker)
+        mark = {
+            "pid": os.getpid(),
+            "opened_unix_s": time.time(),
+            "failures": self.failures,
+            "machine_failures": self.machine_failures,
+        }
+        if self._memory_marker is not None:
+            # The memory tier's marker first: the directory's names it only once it exists.
+            _write_json(self._memory_marker, {"token": self._token, "pid": os.getpid()})
+            mark["memory_token"] = self._token
+        _write_json(self._marker, {**mark, "closed": closed})
 
     def adopt(self, saved: Any) -> str:
         """Takes the history saved with the newest checkpoint (``None``: a fresh directory).
 
         The job's failures are the more of the checkpoint's and the marker's count, plus one
-        when the previous run failed. A history that :func:`check_saved` refuses counts as
-        none (the marker's count stays).
+        when the previous run failed (of each class). A history that :func:`check_saved`
+        refuses counts as none (the marker's count stays).
 
         Returns:
           ``""``, or why the saved history was refused.
@@ -202,10 +266,15 @@ class RunHistory:
         if checked is None:
             checked, _ = check_saved(None)
         self._saved_uptime_s = checked["uptime_s"]
-        self._recorded = checked["failures"]
+        self._recorded, self._recorded_machine = checked["failures"], checked["machine_failures"]
         self.recovery_s = checked["recovery_s"]
-        failures = min(max(self._recorded, self._marked) + self._unclean, MAX_FAILURES)
-        changed, self.failures = failures != self.failures, failures
+        self._class_recovery_s = {
+            PROCESS: checked["process_recovery_s"],
+            MACHINE: checked["machine_recovery_s"],
+        }
+        counts = self._counted()
+        changed = counts != (self.failures, self.machine_failures)
+        self.failures, self.machine_failures = counts
         if self._writer and changed:
             self._write_marker()  # a crash from now on counts from this
         return reason
@@ -219,6 +288,11 @@ class RunHistory:
         if self._recovering:
             self._recovering = False
             self.recovery_s = max(0.0, self._clock() - self._session_start)
+            self._class_recovery_s[self.failure_class or PROCESS] = self.recovery_s
+
+    def class_recovery_s(self, failure_class: str) -> float:
+        """The last recovery time measured after a failure of ``failure_class`` (NaN: none)."""
+        return self._class_recovery_s[failure_class]
 
     @property
     def uptime_s(self) -> float:
@@ -227,20 +301,33 @@ class RunHistory:
 
     def mtbf_s(self, prior_mtbf_s: float) -> float:
         """Posterior-mean MTBF estimate, within its bounds (see the module docstring)."""
-        mtbf = (prior_mtbf_s + self.uptime_s) / (1.0 + self.failures)
-        return min(max(mtbf, MIN_MTBF_S), MAX_MTBF_S)
+        return _mtbf(prior_mtbf_s, self.uptime_s, self.failures)
+
+    def class_mtbf_s(self, failure_class: str, prior_mtbf_s: float) -> float:
+        """The MTBF of one failure class: its own count, and its share of the prior's rate
+        (:data:`MACHINE_SHARE` for machines, the rest for processes)."""
+        machine = failure_class == MACHINE
+        share = MACHINE_SHARE if machine else 1.0 - MACHINE_SHARE
+        count = self.machine_failures if machine else self.failures - self.machine_failures
+        return _mtbf(prior_mtbf_s / share, self.uptime_s, count)
 
     def to_json(self) -> dict[str, Any]:
         """What a checkpoint records (``adopt`` reads it back)."""
+        times = {
+            "recovery_s": self.recovery_s,
+            "process_recovery_s": self._class_recovery_s[PROCESS],
+            "machine_recovery_s": self._class_recovery_s[MACHINE],
+        }
         return {
             "uptime_s": min(self.uptime_s, MAX_SECONDS),
             "failures": self.failures,
-            "recovery_s": None if math.isnan(self.recovery_s) else self.recovery_s,
+            "machine_failures": self.machine_failures,
+            **{k: None if math.isnan(v) else v for k, v in times.items()},
         }
 
     def recorded(self) -> None:
         """A checkpoint saved by this run has committed: the failures it carries are on record."""
-        self._recorded = self.failures
+        self._recorded, self._recorded_machine = self.failures, self.machine_failures
 
     def failed(self) -> None:
         """This run ends by an exception: :meth:`close` keeps the marker, the next run counts it."""
@@ -264,3 +351,14 @@ class RunHistory:
                 self._marker.unlink(missing_ok=True)
             else:
                 self._write_marker(closed=True)
+
+
+def _mtbf(prior_mtbf_s: float, uptime_s: float, failures: int) -> float:
+    mtbf = (prior_mtbf_s + uptime_s) / (1.0 + failures)
+    return min(max(mtbf, MIN_MTBF_S), MAX_MTBF_S)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

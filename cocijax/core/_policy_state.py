@@ -36,6 +36,8 @@ class SavedState(NamedTuple):
     costs: RecentTimes  # the recent save costs (capped at ``COST_JUMP`` times the estimate)
     cost_s: float  # the measured cost of the last save (negative: none measured)
     loss: float  # the saved step's loss
+    # A two-level policy's recent level-1 save costs (``costs`` are the level-2 ones).
+    level1_costs: RecentTimes = RecentTimes(jump=COST_JUMP)
 
 
 def is_policy_state(data: Any) -> bool:
@@ -55,10 +57,11 @@ def to_json(snapshot: dict[str, Any], *, cost_s: float | None = None) -> dict[st
       The JSON-serialisable record (reads the snapshot's loss: may wait for the device).
     """
     costs = snapshot["costs"].copy()
+    level1 = snapshot.get("level1_costs", RecentTimes()).copy()
     if cost_s is None:
         cost_s = snapshot["cost_s"]
     else:  # as the costs are once this save's is measured
-        costs.add(cost_s, snapshot["cost_reference"])
+        (level1 if snapshot.get("level") == 1 else costs).add(cost_s, snapshot["cost_reference"])
     return {
         "format": FORMAT,
         "state_type": snapshot["state_type"],
@@ -70,7 +73,11 @@ def to_json(snapshot: dict[str, Any], *, cost_s: float | None = None) -> dict[st
         "step_time_s": snapshot["step_times"].value,
         "cost_s": max(cost_s, 0.0),
         # What the robust inputs rest on, so that a restarted job feeds the same values.
-        "recent": {"step_time_s": snapshot["step_times"].values, "cost_s": costs.values},
+        "recent": {
+            "step_time_s": snapshot["step_times"].values,
+            "cost_s": costs.values,
+            "level1_cost_s": level1.values,
+        },
         "loss": read_loss(snapshot["loss"]),
         "history": snapshot["history"],
     }
@@ -121,10 +128,11 @@ def from_json(data: Any, policy: Any, *, where: str) -> SavedState:
         recent = data.get("recent") or {}
         step_times = RecentTimes(saved_times(recent.get("step_time_s"), step_time))
         costs = RecentTimes(saved_times(recent.get("cost_s"), cost), jump=COST_JUMP)
+        level1 = RecentTimes(saved_times(recent.get("level1_cost_s"), None), jump=COST_JUMP)
     except (KeyError, TypeError, AttributeError, OverflowError, ValueError) as e:
         raise ValueError(f"{where}: the policy state on disk is malformed ({e!r})") from e
     policy_state = jax.tree.unflatten(treedef, leaves)
-    return SavedState(policy_state, step, step_times, costs, cost, loss)
+    return SavedState(policy_state, step, step_times, costs, cost, loss, level1)
 
 
 def _entries_by_path(entries: list[dict], paths: list[str], where: str) -> dict[str, dict]:

@@ -13,8 +13,9 @@ JAX backend's own:
 * **Stripes outside the step directory.** With external ``roots`` a step's data lives on other
   file systems: the stripes no committed step references are removed (``_gc``), off the
   training thread, after each save has finished and at start-up.
-* **Two more kinds of step**: a durable tier's copies (``_tiers``) and steps Orbax's own manager
-  wrote (``_orbax_steps``), listed and restored beside cocijax's (``_restoring``).
+* **More kinds of step**: the memory tier's (``_memory_tier``), a durable tier's copies
+  (``_tiers``) and steps Orbax's own manager wrote (``_orbax_steps``), listed and restored
+  beside cocijax's (``_restoring``).
 * **Damaged steps** set aside (``_gc.quarantine``) and a directory identity that survives
   aliases (``_identity``).
 
@@ -47,12 +48,7 @@ from cocijax.core._history import failed_exit, process_age_s
 from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
 from cocijax.manager import _opening, _restoring, _saving
-from cocijax.manager._directory import (
-    STATE_ITEM,
-    checked_once,
-    is_committed,
-    list_committed,
-)
+from cocijax.manager._directory import STATE_ITEM, checked_once
 
 __all__ = ["CheckpointManager"]
 
@@ -132,6 +128,15 @@ class CheckpointManager:
         or missing credentials raise within it, naming the URL and the cause), each request
         of the durable tier's own, and ``close()``'s wait for a drain that makes no progress
         (then abandoned, the step named in a warning; it stays on the local tier).
+      memory: a memory tier: a folder on a tmpfs, or True for one under the machine's
+        shared-memory tmpfs. Every save lands there first (same format; it survives the
+        process's death, not the machine's) and restores read it first; the disk and the
+        durable tier get the persisted saves only (a two-level policy's level 2, every save
+        of a one-level policy). It keeps two steps; one folder per directory (its identity).
+      memory_bytes: the memory tier's budget (default: two states, at most the tmpfs's free
+        space). A state whose two copies do not fit is refused at the first save (a
+        ``ValueError`` naming the sizes); with ``memory=True`` the manager warns and saves to
+        the disk only.
 
     Raises:
       ValueError: ``directory`` holds something neither cocijax nor Orbax wrote, locations
@@ -175,6 +180,8 @@ class CheckpointManager:
         durable_options: dict[str, Any] | None = None,
         orbax_retention: bool = False,
         store_timeout_s: float = 30.0,
+        memory: bool | str | os.PathLike[str] | None = None,
+        memory_bytes: int | None = None,
     ):
         age = process_age_s()
         opening = _opening.check_arguments(
@@ -185,11 +192,13 @@ class CheckpointManager:
             handler_options=handler_options, prior_mtbf_s=prior_mtbf_s, clock=clock,
             durable=durable, durable_every=durable_every,
             durable_max_to_keep=durable_max_to_keep, durable_options=durable_options,
-            orbax_retention=orbax_retention, store_timeout_s=store_timeout_s,
+            orbax_retention=orbax_retention, store_timeout_s=store_timeout_s, memory=memory,
+            memory_bytes=memory_bytes,
         )  # fmt: skip
         _opening.open_manager(self, opening, age)
         self._pending_loss: Any = None
         self._restored_step: int | None = None
+        self._restored_tier: str | None = None
         watcher = _opening.watcher(opening)
         watcher.install(on_end=self.close)
         self._preemption = Preemption(watcher, owner=str(self._directory))
@@ -225,6 +234,12 @@ class CheckpointManager:
         return self._restored_step
 
     @property
+    def restored_tier(self) -> str | None:
+        """Which tier served the last :meth:`restore`: ``"memory"``, ``"local"`` (the disk) or
+        ``"durable"`` (None before one)."""
+        return self._restored_tier
+
+    @property
     def reached_preemption(self) -> bool:
         """A preemption signal arrived and its step has been saved and committed: stop now."""
         return self._preemption.reached
@@ -237,27 +252,20 @@ class CheckpointManager:
         """Committed steps of every tier, oldest first (a save in flight is not listed); a
         read-only manager lists afresh at every call, following a writer in another process."""
         durable = self._durable.steps() if self._durable is not None else []
-        return sorted(set(self._local_steps()) | set(durable) | set(self._orbax_steps))
+        local = set(self._local_steps()) | set(self._orbax_steps) | set(self.memory_steps())
+        return sorted(local | set(durable))
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""
         return self._durable.steps() if self._durable is not None else []
 
+    def memory_steps(self) -> list[int]:
+        """Steps committed in the memory tier, oldest first (``[]`` without one)."""
+        return [] if self._memory is None else self._memory.steps()
+
     def _local_steps(self) -> list[int]:
-        """Committed steps of the local tier, oldest first."""
-        if self._read_only:
-            self._committed = set(list_committed(self._directory, frozenset(self._committed)))
-            return sorted(self._committed)
-        # Orbax lists a step as soon as its save starts; committed means the manifest is there.
-        # A manifest, once valid, stays so: each step directory is read once.
-        steps = sorted(self.orbax.all_steps())
-        self._committed &= set(steps)
-        for step in steps:
-            if step not in self._committed and is_committed(
-                self._directory / self._name_format.build_name(step)
-            ):
-                self._committed.add(step)
-        return [step for step in steps if step in self._committed]
+        """Committed steps of the local tier (the disk), oldest first."""
+        return _saving.local_steps(self)
 
     def latest_step(self) -> int | None:
         """The newest committed step of either tier, or None."""
@@ -326,11 +334,13 @@ class CheckpointManager:
         # check (that step is done by then), so a step that cannot save costs no device sync.
         previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
         self._pending_loss = loss
-        saved = self._driver.decide(step, loss=previous_loss) or force
+        level = max(self._driver.decide_level(step, loss=previous_loss), 2 * force)
+        saved = level > 0
         preempted = self._preemption.due(step, self._driver.step_time_s)
         if saved or preempted:
-            _saving.write_step(self, step, state, loss, extra, metrics, custom_metadata)
-            if self._durable is not None:
+            level = 2 if preempted else level
+            _saving.write_step(self, step, state, loss, extra, metrics, custom_metadata, level)
+            if self._durable is not None and level == 2:
                 self._durable.offer(step, force=preempted)  # drained once committed
         if preempted:
             self._preemption.taken(step, self.wait_until_finished)
@@ -358,8 +368,9 @@ class CheckpointManager:
     ):
         """Restores a step's state and continues the policy schedule from that step.
 
-        A step's local copy is read before its durable one; a step Orbax's own manager wrote
-        is read through Orbax's handlers (see ``_restoring``).
+        A step's memory copy is read first (one that does not restore is skipped, warned),
+        then its local one, then its durable one; a step Orbax's own manager wrote is read
+        through Orbax's handlers (see ``_restoring``).
 
         Args:
           step: the step; None for the newest step of the tiers asked for.
@@ -371,8 +382,8 @@ class CheckpointManager:
             args (``ocp.args.JsonRestore()``, ``grain.checkpoint.CheckpointRestore(iterator)``).
           partial: ``target`` may be any sub-tree of the saved state (e.g. only the
             parameters); the leaves it omits are not read.
-          tier: ``"local"`` or ``"durable"`` to read only that tier's copies; ``None``
-            (default) reads either, local first.
+          tier: ``"memory"``, ``"local"`` or ``"durable"``: only that tier's copies; ``None``
+            (default) reads any: memory, then local, then durable (see :attr:`restored_tier`).
 
         A read-only manager may restore while a writer in another process saves and deletes
         old steps (``max_to_keep``): what it returns is always one complete step, never a mix.
@@ -402,9 +413,9 @@ class CheckpointManager:
             self, step, target, fallback=fallback, extra=extra, partial=partial, tier=tier
         )
 
-    def _restored(self, step: int) -> None:
+    def _restored(self, step: int, tier: str) -> None:
         """A restore returned ``step``: the next step is not timed, and ends a recovery."""
-        self._restored_step = step
+        self._restored_step, self._restored_tier = step, tier
         self._pending_loss = None
         self._driver.restart_timing()
         self._history.restored()
@@ -422,11 +433,6 @@ class CheckpointManager:
           DurableTierError: another writer holds the durable tier's lease (nothing deleted).
         """
         self._check_open()
-        if step not in self.all_steps():
-            raise FileNotFoundError(
-                f"delete: step {step} is not a committed step in {self._directory} "
-                f"(committed: {self.all_steps()})."
-            )
         _saving.delete_step(self, step)
 
     def wait_until_finished(self, *, durable: bool = False) -> None:
@@ -441,13 +447,7 @@ class CheckpointManager:
           DurableTierError: with ``durable``, a drain failed (names the step and the URL).
         """
         self._check_open()
-        _saving.settle(self)
-        try:
-            if durable and self._durable is not None:
-                self._durable.wait(raise_errors=True)
-        finally:
-            _saving.tidy(self)  # after the drains: best-N no longer keeps the steps they pinned
-            _saving.wait_for_removals(self)
+        _saving.wait_until_finished(self, durable=durable)
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save has started and not yet committed (as Orbax's manager answers it).

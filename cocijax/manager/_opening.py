@@ -46,6 +46,7 @@ from cocijax.manager._identity import (
     open_identity,
     read_identity,
 )
+from cocijax.manager._memory_tier import MemoryOptions, MemoryTier, check_memory
 from cocijax.manager._orbax_steps import OrbaxStep
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._restoring import load_policy
@@ -92,6 +93,7 @@ class Opening:
       durable: the durable tier (not opened yet), or None.
       store_timeout_s: the bound on waits for an object store.
       clock: the manager's monotonic clock.
+      memory: the memory tier's options (not opened yet), or None.
     """
 
     directory: Path
@@ -106,6 +108,7 @@ class Opening:
     durable: DurableTier | None
     store_timeout_s: float
     clock: Callable[[], float]
+    memory: MemoryOptions | None = None
 
     @property
     def primary_host(self) -> int | None:
@@ -140,6 +143,8 @@ def check_arguments(
     durable_options: dict[str, Any] | None,
     orbax_retention: bool,
     store_timeout_s: float,
+    memory: Any = None,
+    memory_bytes: Any = None,
 ) -> Opening:
     """Checks a :class:`cocijax.CheckpointManager`'s arguments (see its docstring).
 
@@ -174,6 +179,7 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
+    memory_options = check_memory(memory, memory_bytes, path)
     primary = jax.process_index() == (orbax_options.multiprocessing_options.primary_host or 0)
     tier = open_durable(
         durable,
@@ -206,6 +212,7 @@ def check_arguments(
         durable=tier,
         store_timeout_s=store_timeout_s,
         clock=clock,
+        memory=memory_options,
     )
 
 
@@ -288,10 +295,17 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     namespace = _namespace(mngr)
     if namespace is not None:
         mngr._stripe_roots = tuple(root / namespace for root in mngr._roots)
+        if opening.memory is not None:
+            mngr._memory = _open_memory(opening, namespace, mngr._directory)
     # Only the primary writer marks the directory; every process reads the history saved
     # with the checkpoints (process 0's measurements reach the policy anyway).
+    writer = mngr._lock is not None
     mngr._history = RunHistory(
-        mngr._directory, clock=mngr._clock, writer=mngr._lock is not None, opened_at_age_s=age
+        mngr._directory,
+        clock=mngr._clock,
+        writer=writer,
+        opened_at_age_s=age,
+        memory_marker=mngr._memory.marker if writer and mngr._memory is not None else None,
     )
     mngr._driver = opening.make_driver(
         history=mngr._history,
@@ -311,8 +325,27 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     if latest is not None:
         where = "local" if latest in mngr._local_steps() else "durable"
         where = "orbax" if latest in mngr._orbax_steps else where
+        where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
     mngr._latest_saved = latest
+
+
+def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTier:
+    """The memory tier, its Orbax manager built as the directory's (data in its steps)."""
+
+    def make_manager(path: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+        return orbax_manager(
+            dataclasses.replace(opening, directory=path, options=options), (), check_layout(path)
+        )
+
+    return MemoryTier(
+        opening.memory,
+        namespace,
+        directory=directory,
+        make_manager=make_manager,
+        read_only=opening.options.read_only,
+        enable_async=opening.options.enable_async_checkpointing,
+    )
 
 
 def _namespace(mngr: CheckpointManager) -> str | None:
@@ -358,6 +391,7 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
     mngr._name_format = opening.options.step_name_format
     mngr._primary = opening.primary
     mngr._durable = opening.durable  # None without one; opened below
+    mngr._memory: MemoryTier | None = None  # opened once the identity is known
     if not mngr._read_only:
         make_dirs(mngr._directory)  # durably: a power loss must not lose it
     elif not mngr._directory.is_dir():
@@ -371,10 +405,11 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
         # The lock is released even when closing Orbax or the drain fails too; the error
         # of the open is the one raised.
         with contextlib.suppress(Exception):
-            orbax, tier = getattr(mngr, "orbax", None), mngr._durable
+            orbax, tier, memory = getattr(mngr, "orbax", None), mngr._durable, mngr._memory
             run_all(
                 _nothing if orbax is None else orbax.close,
                 _nothing if tier is None else tier.close,
+                _nothing if memory is None else memory.close,
                 mngr._release,
             )
         raise

@@ -1,12 +1,13 @@
 """How :class:`cocijax.CheckpointManager` restores: which copy, damage, deletions under a reader.
 
-A step may have several copies: the local one (cocijax's format, or a step Orbax's own manager
-wrote) and the durable tier's. :func:`restore` tries them in the order of
-:func:`cocijax.core._session.restore_order` and returns the first that restores; with
-``fallback`` a damaged copy is skipped (warned) for the next, and a writer then sets the damaged
-local steps aside. A copy deleted while it is read (the writer's retention, seen by a reader)
-makes ``restore()`` start again with the newest step, and ``restore(step)`` raise
-:class:`StepDeletedError`.
+A step may have several copies: the memory tier's, the local one (cocijax's format, or a step
+Orbax's own manager wrote) and the durable tier's. :func:`restore` tries them in the order of
+:func:`cocijax.core._session.restore_order` (memory first) and returns the first that restores;
+with ``fallback`` a damaged copy is skipped (warned) for the next, and a writer then sets the
+damaged local steps aside. A memory copy that does not restore (torn, corrupt, gone with the
+tmpfs) is always skipped for the next copy: the newest step intact in any tier wins. A copy
+deleted while it is read (the writer's retention, seen by a reader) makes ``restore()`` start
+again with the newest step, and ``restore(step)`` raise :class:`StepDeletedError`.
 
 These functions are the manager's own, kept apart for size: they take the manager first.
 """
@@ -90,7 +91,9 @@ def restore(
                     else f"; committed now: {mngr.all_steps()}."
                 )
             ) from deleted.__cause__
-        mngr._restored(restored_step)
+        tier_name = "local" if where == "orbax" else where
+        log.info("restore: step %d restored from the %s tier", restored_step, tier_name)
+        mngr._restored(restored_step, tier_name)
         if extra is None:
             return restored[STATE_ITEM]
         return restored[STATE_ITEM], {name: restored[name] for name in items}
@@ -100,20 +103,37 @@ def restore(
 def _copies(
     mngr: CheckpointManager, step: int | None, tier: str | None, *, fallback: bool
 ) -> list[tuple[int, str]]:
-    """The copies ``restore`` tries in turn: ``(step, "local" | "orbax" | "durable")``."""
-    if tier not in (None, "local", "durable"):
-        raise ValueError(f"restore: tier must be None, 'local' or 'durable', got {tier!r}.")
+    """The copies ``restore`` tries in turn: ``(step, "memory" | "local" | "orbax" | "durable")``.
+
+    Without ``fallback``, the memory copies of the newest step and of older ones are tried
+    before the first copy of another tier (which is the last): a memory copy may be torn.
+    """
+    if tier not in (None, "memory", "local", "durable"):
+        raise ValueError(
+            f"restore: tier must be None, 'memory', 'local' or 'durable', got {tier!r}."
+        )
     durable_tier = mngr._durable
-    if tier == "durable" and durable_tier is None:
-        raise ValueError("restore: tier='durable', but this manager has no durable tier.")
-    local = mngr._local_steps() if tier != "durable" else []
-    orbax = list(mngr._orbax_steps) if tier != "durable" else []
-    durable = durable_tier.steps() if durable_tier is not None and tier != "local" else []
-    if durable_tier is not None and tier != "local" and step not in (None, *local, *durable):
+    for name, present in (("durable", durable_tier), ("memory", mngr._memory)):
+        if tier == name and present is None:
+            raise ValueError(f"restore: tier={name!r}, but this manager has no {name} tier.")
+    memory = mngr.memory_steps() if tier in (None, "memory") else []
+    local = mngr._local_steps() if tier in (None, "local") else []
+    orbax = list(mngr._orbax_steps) if tier in (None, "local") else []
+    durable = durable_tier.steps() if durable_tier is not None and tier in (None, "durable") else []
+    if durable_tier is not None and tier in (None, "durable") and step not in (
+        None, *local, *durable, *memory
+    ):  # fmt: skip
         durable = durable_tier.refreshed_steps()  # drained since the last listing?
     where = f"{mngr.directory}" + (f" or {durable_tier.url}" if durable else "")
-    tiers = {"local": local, "orbax": orbax, "durable": durable}
-    return restore_order(step, tiers, fallback=fallback, where=where)
+    where += f" or {mngr._memory.path}" if memory else ""
+    tiers = {"memory": memory, "local": local, "orbax": orbax, "durable": durable}
+    copies = restore_order(step, tiers, fallback=fallback or bool(memory), where=where)
+    if fallback or not memory:
+        return copies
+    if step is not None:  # that step's copies only
+        return [c for c in copies if c[0] == copies[0][0]]
+    others = [i for i, (_, name) in enumerate(copies) if name != "memory"]
+    return copies[: others[0] + 1] if others else copies
 
 
 def _restore_first(
@@ -137,7 +157,9 @@ def _restore_first(
             # the step does too: either way it is no longer committed.
             if where == "durable" and mngr._durable.vanished(step):
                 raise _Deleted(step) from e
-            if not isinstance(e, _DAMAGE) or not fallback or (step, where) == copies[-1]:
+            memory = where == "memory" and isinstance(e, (*_DAMAGE, OSError, ValueError))
+            last = (step, where) == copies[-1]
+            if last or not (memory or (fallback and isinstance(e, _DAMAGE))):
                 if skipped:
                     names = ", ".join(_copy_name(mngr, *c) for c in skipped)
                     e.add_note(f"restore: also damaged, skipped: {names}")
@@ -151,13 +173,14 @@ def _restore_first(
             )
             skipped.append((step, where))
         else:
-            _set_aside(mngr, [s for s, w in skipped if w == "local"])
+            _set_aside(mngr, skipped)
             return (step, where), restored
     raise AssertionError("unreachable: the last copy returns or raises")
 
 
 def _copy_name(mngr: CheckpointManager, step: int, where: str) -> str:
-    return f"step {step}" + (f" ({where} copy)" if mngr._durable else "")
+    several = mngr._durable is not None or mngr._memory is not None
+    return f"step {step}" + (f" ({where} copy)" if several else "")
 
 
 def _damage_hint(mngr: CheckpointManager, fallback: bool) -> str:
@@ -170,15 +193,20 @@ def _damage_hint(mngr: CheckpointManager, fallback: bool) -> str:
     )
 
 
-def _set_aside(mngr: CheckpointManager, steps: list[int]) -> None:
-    """Sets damaged local steps aside after a fallback restore skipped them (a writer's).
+def _set_aside(mngr: CheckpointManager, skipped: list[tuple[int, str]]) -> None:
+    """Sets damaged local copies aside after a restore skipped them (a writer's), and deletes
+    damaged memory copies.
 
     They are newer than the step restored: left listed, the next save would have to come
-    after them. Kept in the quarantine for inspection (see ``_gc``), not listed.
+    after them. Local ones are kept in the quarantine for inspection (see ``_gc``), not listed.
     """
-    if not steps or mngr._lock is None:
+    if not skipped or mngr._lock is None:
         return
     wait_for_save(mngr)
+    for step in [s for s, where in skipped if where == "memory"]:
+        if step in mngr.memory_steps():
+            mngr._memory.delete(step)
+    steps = [s for s, where in skipped if where == "local"]
     for step in steps:
         step_dir = mngr._step_dir(step)
         if step_dir.exists():
@@ -192,6 +220,8 @@ def restore_items(mngr: CheckpointManager, step: int, where: str, items: dict[st
     """Orbax's restore of ``items`` from the local, Orbax-written or durable copy of ``step``."""
     if where == "local":
         return mngr.orbax.restore(step, args=ocp.args.Composite(**items))
+    if where == "memory":
+        return mngr._memory.restore(step, items)
     if where == "orbax":
         state = items.get(STATE_ITEM, storage.StripedRestore())
         extra = {k: v for k, v in items.items() if k != STATE_ITEM}
@@ -214,11 +244,12 @@ def load_policy(
         log.info("step %d was written by Orbax: the policy starts its schedule there", step)
         driver.step = step  # the next call must be after it
         return
-    path = (
-        mngr._durable.root / str(step) / POLICY_ITEM
-        if where == "durable"
-        else mngr._step_dir(step) / POLICY_ITEM
-    )
+    if where == "durable":
+        path = mngr._durable.root / str(step) / POLICY_ITEM
+    elif where == "memory":
+        path = mngr._memory.path / str(step) / POLICY_ITEM
+    else:
+        path = mngr._step_dir(step) / POLICY_ITEM
     try:
         if where == "local":  # the item's own reader: Orbax's restore would find the step again
             data = PolicyStateHandler().restore(path)

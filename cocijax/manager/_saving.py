@@ -14,8 +14,16 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import move_aside
+from cocijax.core._policy_inputs import tree_nbytes
 from cocijax.core._session import run_all
-from cocijax.manager._directory import METRICS_ITEM, POLICY_ITEM, STATE_ITEM, TRASH_DIR
+from cocijax.manager._directory import (
+    METRICS_ITEM,
+    POLICY_ITEM,
+    STATE_ITEM,
+    TRASH_DIR,
+    is_committed,
+    list_committed,
+)
 from cocijax.manager._faults import naming, retry_deletions, wait
 from cocijax.manager._gc import collect_garbage
 from cocijax.manager._items import check_custom_metadata, check_extra
@@ -30,11 +38,13 @@ __all__ = [
     "close",
     "collect",
     "delete_step",
+    "local_steps",
     "release",
     "settle",
     "tidy",
     "wait_for_removals",
     "wait_for_save",
+    "wait_until_finished",
     "write_step",
 ]
 
@@ -49,11 +59,14 @@ def write_step(
     extra: Any,
     metrics: Any,
     custom_metadata: Any,
+    level: int = 2,
 ) -> None:
     """Saves ``step`` through Orbax: the state, the policy item, metrics and extra items.
 
-    The blocking part is timed as the save's cost; the policy item is written with that cost
-    once it is measured. Bad input is refused before Orbax starts any background work.
+    A level-2 (persisted) save goes to the memory tier, if any, and to the disk; a level-1
+    save to the memory tier only, or to the disk (not drained) without one. The blocking part
+    is timed as the save's cost (per level); the policy item is written with that cost once it
+    is measured. Bad input is refused before Orbax starts any background work.
     """
     # Wait for the step's own computation first: that is training time, not checkpoint cost.
     jax.block_until_ready(state)
@@ -67,40 +80,55 @@ def write_step(
     if metrics is not None:
         items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
     custom_metadata = check_custom_metadata(custom_metadata)
-    snapshot = mngr._driver.snapshot(loss)
+    memory = mngr._memory if mngr._memory is not None and mngr._memory.enabled else None
+    nbytes = tree_nbytes(state) if memory is not None else 0
+    if memory is not None and not memory.check_fits(nbytes):
+        memory = None  # memory=True and the state does not fit: the disk only (warned)
+    snapshot = mngr._driver.snapshot(loss, level)
     # The policy item's commit future writes once the cost is measured (see _policy_item);
     # it is released whatever happens here, so that no future waits for ever.
     ready = threading.Event()
     try:
-        with mngr._driver.saving() as measured:
+        with mngr._driver.saving(level) as measured:
             settle(mngr)  # a still-running save is a real stall: timed
-            with naming(mngr._step_dir(step), mngr._paths):
-                apply_retention(mngr)
-                collect(mngr)
+            to_disk = level == 2 or memory is None
+            if to_disk:
+                with naming(mngr._step_dir(step), mngr._paths):
+                    apply_retention(mngr)
+                    collect(mngr)
             if not mngr._async:
                 # A synchronous Orbax save waits for every item, the policy item included,
                 # so that item records the cost measured so far; the policy itself is fed
                 # the whole blocking time.
                 measured["cost_s"] = mngr._clock() - measured["start"]
                 ready.set()
-            item = PolicyStateSave(
-                build=lambda: mngr._driver.to_json(snapshot, cost_s=measured["cost_s"]),
-                ready=ready,
-            )
-            with naming(mngr._step_dir(step), mngr._paths):
-                mngr.orbax.save(
-                    step,
-                    args=ocp.args.Composite(
-                        **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
-                    ),
-                    # Orbax's retention ranks its steps by the metrics it is given here (a
-                    # preservation_policy's BestN); the item above is what it reads on open.
-                    metrics=metrics,
-                    custom_metadata=custom_metadata,
-                    force=True,
+
+            def args() -> ocp.args.Composite:  # one policy item per tier, written alike
+                item = PolicyStateSave(
+                    build=lambda: mngr._driver.to_json(snapshot, cost_s=measured["cost_s"]),
+                    ready=ready,
                 )
+                return ocp.args.Composite(
+                    **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
+                )
+
+            if memory is not None:  # first: what a restart after a process failure reads
+                memory.save(
+                    step, args(), nbytes=nbytes, metrics=metrics, custom_metadata=custom_metadata
+                )
+            if to_disk:
+                with naming(mngr._step_dir(step), mngr._paths):
+                    mngr.orbax.save(
+                        step,
+                        args=args(),
+                        # Orbax's retention ranks its steps by the metrics it is given here (a
+                        # preservation_policy's BestN); the policy item is what it reads on open.
+                        metrics=metrics,
+                        custom_metadata=custom_metadata,
+                        force=True,
+                    )
+                mngr._save_started = True  # until a wait says whether it committed
             mngr._latest_saved = step
-            mngr._save_started = True  # until a wait says whether it committed
     finally:
         ready.set()
 
@@ -122,7 +150,15 @@ def apply_retention(mngr: CheckpointManager) -> None:
 
 
 def wait_for_save(mngr: CheckpointManager) -> None:
-    """Waits for the running save; its errors (every one, once) name a path."""
+    """Waits for the running saves (the memory tier's, then the disk's); their errors (every
+    one, once) name a path."""
+    run_all(
+        (lambda: None) if mngr._memory is None else mngr._memory.wait,
+        lambda: _wait_for_disk(mngr),
+    )
+
+
+def _wait_for_disk(mngr: CheckpointManager) -> None:
     started, mngr._save_started = mngr._save_started, False
     try:
         wait(mngr.orbax, mngr._step_dir(mngr._latest_saved), mngr._paths)
@@ -137,7 +173,9 @@ def wait_for_save(mngr: CheckpointManager) -> None:
                 error.add_note(f"also: {type(also).__name__}: {also}")
         raise
     if started:
-        mngr._history.recorded()  # a save of this run committed, with the job's failures
+        # A save of this run committed, with the job's failures (on the disk: a memory
+        # snapshot is not a record, the machine's loss takes it).
+        mngr._history.recorded()
 
 
 def collect(mngr: CheckpointManager) -> None:
@@ -175,8 +213,45 @@ def tidy(mngr: CheckpointManager) -> None:
         collect(mngr)
 
 
+def local_steps(mngr: CheckpointManager) -> list[int]:
+    """Committed steps of the local tier (the disk), oldest first."""
+    if mngr._read_only:
+        mngr._committed = set(list_committed(mngr._directory, frozenset(mngr._committed)))
+        return sorted(mngr._committed)
+    # Orbax lists a step as soon as its save starts; committed means the manifest is there.
+    # A manifest, once valid, stays so: each step directory is read once.
+    steps = sorted(mngr.orbax.all_steps())
+    mngr._committed &= set(steps)
+    for step in steps:
+        if step not in mngr._committed and is_committed(
+            mngr._directory / mngr._name_format.build_name(step)
+        ):
+            mngr._committed.add(step)
+    return [step for step in steps if step in mngr._committed]
+
+
+def wait_until_finished(mngr: CheckpointManager, *, durable: bool) -> None:
+    """:meth:`cocijax.CheckpointManager.wait_until_finished` (see there)."""
+    settle(mngr)
+    try:
+        if durable and mngr._durable is not None:
+            mngr._durable.wait(raise_errors=True)
+    finally:
+        tidy(mngr)  # after the drains: best-N no longer keeps the steps they pinned
+        wait_for_removals(mngr)
+
+
 def delete_step(mngr: CheckpointManager, step: int) -> None:
-    """:meth:`cocijax.CheckpointManager.delete` of a committed ``step``, on every tier."""
+    """:meth:`cocijax.CheckpointManager.delete` of a committed ``step``, on every tier.
+
+    Raises:
+      FileNotFoundError: ``step`` is not a committed step.
+    """
+    if step not in mngr.all_steps():
+        raise FileNotFoundError(
+            f"delete: step {step} is not a committed step in {mngr._directory} "
+            f"(committed: {mngr.all_steps()})."
+        )
     settle(mngr)
     if mngr._durable is not None:
         mngr._durable.wait(raise_errors=False)  # a drain of this step ends first
@@ -184,6 +259,8 @@ def delete_step(mngr: CheckpointManager, step: int) -> None:
             mngr._durable.delete(step)
     if step in mngr._local_steps():
         mngr.orbax.delete(step)
+    if step in mngr.memory_steps():
+        mngr._memory.delete(step)
     if step in mngr._orbax_steps:
         drop_orbax_step(mngr, step)
     mngr._committed.discard(step)
@@ -219,6 +296,7 @@ def close(mngr: CheckpointManager) -> None:
         lambda: wait_for_removals(mngr),
         close_orbax,
         close_durable,
+        (lambda: None) if mngr._memory is None else mngr._memory.close,
         mngr._preemption.watcher.uninstall,
         mngr._release,
     )

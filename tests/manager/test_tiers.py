@@ -295,7 +295,7 @@ def test_bad_durable_arguments_are_named(tmp_path, kwargs, error, match):
 def test_bad_tier_in_restore_is_named(tmp_path):
     with cj.CheckpointManager(tmp_path / "ckpt", policy=cj.policies.fixed(1)) as mngr:
         mngr.save(1, _state(1), loss=1.0)
-        with pytest.raises(ValueError, match="tier must be None, 'local' or 'durable'"):
+        with pytest.raises(ValueError, match="tier must be None, 'memory', 'local' or 'durable'"):
             mngr.restore(tier="cloud")
         with pytest.raises(ValueError, match="no durable tier"):
             mngr.restore(tier="durable")
