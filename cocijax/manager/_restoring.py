@@ -251,7 +251,7 @@ def load_policy(
     else:
         path = mngr._step_dir(step) / POLICY_ITEM
     try:
-        if where == "local":  # the item's own reader: Orbax's restore would find the step again
+        if where in ("local", "memory"):  # its own reader: Orbax's would find the step again
             data = PolicyStateHandler().restore(path)
         else:
             data = restore_items(mngr, step, where, {POLICY_ITEM: PolicyStateRestore()})
