@@ -196,6 +196,8 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
     assert model.weight.tolist() == initial.weight.tolist()
 
 
+# CI keeps the one-process kill (test_example.py) and the two-rank decisions test above.
+@pytest.mark.long
 def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     args = ["--steps", "100", "--policy", "fixed", "--every", "10"]
     reference = _run(EXAMPLE, "--dir", str(tmp_path / "reference"), *args)

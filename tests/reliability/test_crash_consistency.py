@@ -189,6 +189,7 @@ def test_sigkill_at_random_instants_loses_nothing_committed(tmp_path: Path, chai
     )
 
 
+@pytest.mark.long  # a control of the checker, not of cocijax: CI runs the sweep it controls
 def test_the_checker_reports_damage(tmp_path: Path) -> None:
     """The trainer's check is what every trial relies on: show that it does find problems."""
     cfg: dict[str, Any] = {

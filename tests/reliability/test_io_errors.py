@@ -31,7 +31,7 @@ CHAINS = 4
 PROBABILITIES = [0.002, 0.005, 0.01, 0.02, 0.03]
 
 
-@pytest.mark.parametrize("chain", ci_share(range(CHAINS), 2))
+@pytest.mark.parametrize("chain", ci_share(range(CHAINS), 1))
 def test_io_errors_surface_named_and_lose_nothing(tmp_path: Path, chain: int) -> None:
     fiu_run = require_tool("fiu-run", "injects I/O errors with libfiu")
     trials = TRIALS // CHAINS + (1 if chain < TRIALS % CHAINS else 0)
