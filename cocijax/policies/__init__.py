@@ -12,6 +12,13 @@ from cocijax.policies._base import Policy, default_prior_mtbf_s
 from cocijax.policies._by_name import by_name, names
 from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
 from cocijax.policies._coci import CociState, coci
+from cocijax.policies._levels import (
+    LevelsState,
+    PatternState,
+    coci_two_level,
+    pattern_intervals,
+    pattern_two_level,
+)
 from cocijax.policies._paper import coci_paper
 from cocijax.policies._plan import Batch, next_check, plan, update_many
 from cocijax.policies._runner import Runner
@@ -19,18 +26,23 @@ from cocijax.policies._runner import Runner
 __all__ = [
     "Batch",
     "CociState",
+    "LevelsState",
+    "PatternState",
     "Policy",
     "Runner",
     "by_name",
     "checkfreq",
     "coci",
     "coci_paper",
+    "coci_two_level",
     "daly",
     "daly_interval",
     "default_prior_mtbf_s",
     "fixed",
     "names",
     "next_check",
+    "pattern_intervals",
+    "pattern_two_level",
     "plan",
     "update_many",
     "young",

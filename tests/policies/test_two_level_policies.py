@@ -1,0 +1,118 @@
+"""The two-level policies: levels through plan and the Runner, a level-2 save counting as a
+level-1 one, the classic pattern's intervals, and coci_two_level against it in the two-level
+model."""
+
+import jax
+import numpy as np
+import pytest
+
+import cocijax as cj
+from cocijax.sim import Schedule
+
+N = 3000
+TAU = 5.0
+SC = dict(checkpoint_cost_s=0.5, persist_cost_s=30.0)  # what plan feeds the policies
+JOB = dict(n_steps=N, step_time_s=TAU, mtbf_s=7200.0, recovery_s=15.0, machine_mtbf_s=43200.0,
+           machine_recovery_s=120.0, **SC)  # fmt: skip
+LOSSES = 3.0 + 5.0 / np.sqrt(np.arange(1, N + 1))
+
+
+def coci2(**kw):
+    return cj.policies.coci_two_level(
+        7200.0, 15.0, total_steps=N, machine_mtbf_s=43200.0, machine_recovery_s=120.0, **kw
+    )
+
+
+# Built once: plan caches its compiled scan per policy object.
+COCI2 = coci2()
+PATTERN2 = cj.policies.pattern_two_level(7200.0, 43200.0)
+
+
+@pytest.mark.parametrize("policy", [COCI2, PATTERN2], ids=["coci", "pattern"])
+def test_two_level_policies_plan_both_levels(policy):
+    assert policy.levels == 2
+    s = cj.plan(LOSSES, policy, step_time_s=TAU, **SC)
+    assert isinstance(s, Schedule)
+    assert np.all(np.diff(s.steps) > 0)
+    n1, n2 = int((s.levels == 1).sum()), int((s.levels == 2).sum())
+    assert n1 > 5 * n2 > 0, (n1, n2)  # C1 is 60 times cheaper and process failures 6 times likelier
+
+
+def test_pattern_two_level_saves_at_the_pattern_s_intervals():
+    s = cj.plan(np.ones(N), PATTERN2, step_time_s=TAU, **SC)
+    every1, every2 = (
+        float(x) / TAU for x in cj.policies.pattern_intervals(0.5, 30.0, 7200.0, 43200.0)
+    )
+    assert 16 < every1 < 17 and 319 < every2 < 321  # k = 19 level-1 intervals per level-2 one
+    gaps = np.diff(np.concatenate([[0], s.steps]))
+    level1 = gaps[np.concatenate([[True], s.levels[:-1] == 1]) & (s.levels == 1)]
+    assert np.all(np.abs(level1 - every1) <= 1.0), gaps
+    level2 = s.steps[s.levels == 2]
+    assert np.all(np.abs(np.diff(level2) - every2) <= 1.0), np.diff(level2)
+
+
+@pytest.mark.parametrize("policy", [COCI2, PATTERN2], ids=["coci", "pattern"])
+def test_a_level_2_save_counts_as_a_level_1_save(policy):
+    """After a level-2 save the level-1 policy waits a full interval again, not saving at once
+    where its own clock (ignorant of the level-2 save) said it was due."""
+    s = cj.plan(LOSSES, policy, step_time_s=TAU, **SC)
+    gaps = np.diff(s.steps)  # gaps[i]: from save i to save i + 1
+    checked = 0
+    for i in np.flatnonzero(s.levels[:-1] == 2):
+        # The level-1 gaps around it, but not those into and out of the level-2 save.
+        around = [gaps[j] for j in (i - 3, i - 2, i + 1, i + 2) if 0 <= j < gaps.size]
+        assert gaps[i] >= 0.6 * np.median(around), (i, gaps[i - 3 : i + 3])
+        checked += 1
+    assert checked >= 4
+
+
+def test_the_runner_decides_the_levels_plan_does():
+    # The pattern: compiling coci_two_level's batched update takes longer than all the rest.
+    s = cj.plan(LOSSES[:800], PATTERN2, step_time_s=TAU, **SC)
+    runner = cj.policies.Runner(PATTERN2)
+    got = {}
+    for step in range(1, 801):
+        level = runner.decide(step, loss=jax.numpy.float32(LOSSES[step - 1]), step_time_s=TAU, **SC)
+        if level:
+            got[step] = level
+    assert got == dict(zip(s.steps.tolist(), s.levels.tolist(), strict=True))
+    assert set(got.values()) == {1, 2}
+
+
+def test_coci_two_level_beats_the_classic_rule_on_a_converging_job():
+    w = cj.sim.progress_weights(LOSSES, 0.25)
+    score = lambda policy: (
+        cj.sim.expected_overhead(
+            cj.plan(LOSSES, policy, step_time_s=TAU, **SC), weights=w, **JOB
+        ).weighted_s
+    )
+    bound = cj.sim.expected_overhead(
+        cj.sim.optimal_schedule(w, **{k: v for k, v in JOB.items() if k != "n_steps"}),
+        weights=w, **JOB,
+    ).weighted_s  # fmt: skip
+    coci, classic = score(COCI2), score(PATTERN2)
+    assert bound <= coci < classic
+    assert (classic - coci) / (classic - bound) > 0.8  # measured: 0.95
+
+
+def test_the_caller_s_machine_mtbf_is_used_when_none_is_built_in():
+    policy = cj.policies.pattern_two_level(7200.0)  # machine MTBF from the caller
+    rare = cj.plan(np.ones(N), policy, step_time_s=TAU, machine_mtbf_s=10 * 43200.0, **SC)
+    often = cj.plan(np.ones(N), policy, step_time_s=TAU, machine_mtbf_s=43200.0 / 10, **SC)
+    assert (rare.levels == 2).sum() < (often.levels == 2).sum()
+
+
+def test_two_level_policies_are_found_by_name():
+    assert cj.policies.names(levels=2) == ("pattern_two_level", "coci_two_level")
+    assert set(cj.policies.names()) == set(cj.policies.names(levels=1)) | {
+        "pattern_two_level",
+        "coci_two_level",
+    }
+    policy = cj.policies.by_name("coci-two-level", mtbf_s=3600.0, machine_mtbf_s=7200.0)
+    assert policy.levels == 2
+    with pytest.raises(ValueError, match="levels: expected 1, 2 or None"):
+        cj.policies.names(levels=3)
+    with pytest.raises(ValueError, match="prior_machine_mtbf_s"):
+        cj.policies.pattern_two_level(prior_machine_mtbf_s=-1.0)
+    with pytest.raises(ValueError, match="time_weight"):
+        coci2(time_weight=2.0)
