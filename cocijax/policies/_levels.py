@@ -133,11 +133,11 @@ def pattern_intervals(c1, c2, mtbf_s, machine_mtbf_s):
 
 
 class PatternState(NamedTuple):
-    """State of :func:`pattern_two_level`: a clock per level (``clock`` since a save of either
-    level, with the level-1 save cost; ``persist`` since a level-2 save, with its cost)."""
+    """State of :func:`pattern_two_level`."""
 
-    clock: _base.Clock
-    persist: _base.Clock
+    clock: _base.Clock  # since a save of either level; smooths the level-1 save cost
+    persist: _base.Clock  # smooths the level-2 save cost (``persist_cost_s``)
+    count: jnp.ndarray  # shape=(), int32, saves since the last level-2 save
 
 
 def pattern_two_level(
@@ -152,10 +152,9 @@ def pattern_two_level(
     """The classic two-level rule: the first-order optimal pattern of Di et al. and Benoit et
     al., ``k`` level-1 intervals then a level-2 save (:func:`pattern_intervals`).
 
-    A level-1 save once ``W / k`` seconds of training passed since the last save of either
-    level, a level-2 save once ``W`` passed since the last level-2 save (in place of the
-    ``k``-th level-1 save), both recomputed at each check from the smoothed costs, as
-    :func:`~cocijax.policies.young` does with its interval.
+    A save once ``W / k`` seconds of training passed since the last save of either level, as
+    :func:`~cocijax.policies.young` saves; every ``k``-th save is level 2. ``k`` and ``W`` are
+    recomputed at each check from the smoothed costs of each level.
 
     Args:
       mtbf_s: mean time between process failures, or ``None`` for the caller's
@@ -180,7 +179,7 @@ def pattern_two_level(
       >>> s = cj.plan(np.ones(2000), policy, step_time_s=5.0, checkpoint_cost_s=0.5,
       ...             persist_cost_s=30.0)
       >>> np.diff(s.steps)[:3].tolist(), np.diff(s.steps[s.levels == 2])[:2].tolist()
-      ([17, 17, 17], [320, 320])
+      ([17, 17, 17], [323, 323])
     """
     given1, prior1 = _base.check_mtbf(mtbf_s, prior_mtbf_s)
     given2 = (
@@ -191,7 +190,7 @@ def pattern_two_level(
     prior_c2 = _base.check_cost_prior(persist_cost_prior_s)
 
     def init() -> PatternState:
-        return PatternState(_base.clock_init(), _base.clock_init())
+        return PatternState(_base.clock_init(), _base.clock_init(), jnp.zeros((), jnp.int32))
 
     def rule(state: PatternState, seen: _base.Seen):
         clock, _, _ = _base.clock_tick(state.clock, seen)
@@ -202,22 +201,18 @@ def pattern_two_level(
         _, c2 = _base.smoothed(persist, prior_c2)
         m1 = _base.resolve(given1, seen.mtbf_s, prior1)
         m2 = _base.resolve(given2, seen.machine_mtbf_s, prior2)
-        every1, every2 = pattern_intervals(c1, c2, m1, m2)
-        left1 = every1 - 0.5 * tau - clock.since_save
-        left2 = every2 - 0.5 * tau - persist.since_save
-        check = _base.checking(clock, seen.step)
-        save2 = check & (left2 <= 0)
-        save = check & ((left1 <= 0) | save2)
-        # Seconds to the next save of either level, counted from this step.
-        after = jnp.minimum(
-            jnp.where(save, left1 + clock.since_save, left1),
-            jnp.where(save2, left2 + persist.since_save, left2),
-        )
+        every1, period = pattern_intervals(c1, c2, m1, m2)
+        left = every1 - 0.5 * tau - clock.since_save
+        save = _base.checking(clock, seen.step) & (left <= 0)
+        persisted = save & (state.count + 1 >= jnp.round(period / every1))  # the k-th save
+        after = jnp.where(save, left + clock.since_save, left)  # seconds to the next save
         next_check = _base.halfway(seen.step, after / tau)
-        level = jnp.where(save2, 2, jnp.where(save, 1, 0)).astype(jnp.int32)
+        level = jnp.where(persisted, 2, jnp.where(save, 1, 0)).astype(jnp.int32)
+        count = jnp.where(persisted, 0, state.count + save.astype(jnp.int32))
         return level, PatternState(
             _base.clock_saved(clock, save, seen.step, next_check),
-            _base.clock_saved(persist, save2, seen.step, next_check),
+            _base.clock_saved(persist, persisted, seen.step, next_check),
+            count,
         )
 
     return _base.make_policy(
