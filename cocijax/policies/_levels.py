@@ -1,21 +1,21 @@
 """Two-level policies: a level-1 save (cost ``C1``, e.g. to memory) survives a process failure,
 a level-2 save (cost ``C2``, e.g. to durable storage) also survives a machine failure.
 
-A two-level policy can be a pair of one-level policies of the same rule, one per level, each
-seeing the costs and failures of its level: the level-1 one ``checkpoint_cost_s``, ``mtbf_s``
+``coci_two_level`` is a pair of ``coci`` planners, one per level, each seeing the costs and
+failures of its level: the level-1 one ``checkpoint_cost_s``, ``mtbf_s``
 (process failures, the ones a level-1 save recovers from) and ``recovery_s``; the level-2 one
 ``persist_cost_s``, ``machine_mtbf_s`` and ``machine_recovery_s``. A step's level is 2 when the
 level-2 policy saves, else 1 when the level-1 one does. A level-2 save is a level-1 save too:
 the level-1 policy is then told it saved (its work since the last save and its clock reset, and
 it plans anew at its next step), so that it does not save again right after.
 
-``coci_two_level`` is such a pair. The classic rule, :func:`pattern_two_level`, is the
+The classic rule, :func:`pattern_two_level`, is the
 first-order optimal pattern of Di et al. and Benoit et al. (``k`` level-1 intervals, then a
 level-2 save): on the two-level benchmark its periodic schedule was 0.5 to 0.8% better than
 Young's interval at each level (``sqrt(2 C1 M1)`` and ``sqrt(2 C2 M2)``), see BENCHMARKS.md.
 
 References:
-  Di, Robert, Vivien, Kondo, Wang, Cappello, `Optimization of multi-level checkpoint model
+  Di, Bouguerra, Bautista-Gomez, Cappello, `Optimization of multi-level checkpoint model
   for large scale HPC applications <https://doi.org/10.1109/IPDPS.2014.122>`_, IPDPS 2014.
   Benoit, Cavelan, Le Fèvre, Robert, Sun, `Towards optimal multi-level checkpointing
   <https://doi.org/10.1109/TC.2016.2643660>`_, IEEE Trans. Computers 2017.
@@ -23,7 +23,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +38,15 @@ PRIOR_MACHINE_MTBF_FACTOR = 4.0
 
 
 class LevelsState(NamedTuple):
-    """State of a two-level policy: the state of each level's policy.
+    """State of :func:`coci_two_level`: the state of each level's ``coci``.
 
     ``clock`` is the level-1 policy's, with ``next_check`` the sooner of the two levels' (see
     :func:`cocijax.policies.next_check`).
     """
 
     clock: _base.Clock
-    local: Any  # the level-1 policy's state
-    persist: Any  # the level-2 policy's state
+    local: CociState  # the level-1 planner's
+    persist: CociState  # the level-2 planner's
 
 
 def coci_two_level(
@@ -227,31 +227,25 @@ def _prior_machine(prior_mtbf_s: float | None, prior_machine_mtbf_s: float | Non
     return PRIOR_MACHINE_MTBF_FACTOR * prior
 
 
-def _saved(state: Any, step) -> Any:
-    """A one-level policy's state told that it saved after ``step`` (a level-2 save).
-
-    Its clock's time since the last save resets and it checks at the next step; a ``coci``
-    state also drops the work since the last save and plans anew at that check (from the
-    save, as it would after its own).
-    """
-    clock = state.clock
-    clock = clock._replace(
-        since_save=jnp.zeros_like(clock.since_save),
-        steps_since_save=jnp.zeros_like(clock.steps_since_save),
-        next_check=jnp.minimum(clock.next_check, jnp.asarray(step, jnp.int32) + 1),
+def _saved(state: CociState, step) -> CociState:
+    """A ``coci`` state told that it saved after ``step`` (a level-2 save): its clock's time
+    since the last save and its work since then reset, and it plans anew at the next step
+    (from the save, as after a save of its own)."""
+    clock = state.clock._replace(
+        since_save=jnp.zeros_like(state.clock.since_save),
+        steps_since_save=jnp.zeros_like(state.clock.steps_since_save),
+        next_check=jnp.minimum(state.clock.next_check, jnp.asarray(step, jnp.int32) + 1),
     )
-    if isinstance(state, CociState):
-        return state._replace(
-            clock=clock,
-            exposure=jnp.zeros_like(state.exposure),
-            last_save=clock.last_step,
-            plan_step=jnp.zeros_like(state.plan_step),
-        )
-    return state._replace(clock=clock)
+    return state._replace(
+        clock=clock,
+        exposure=jnp.zeros_like(state.exposure),
+        last_save=clock.last_step,
+        plan_step=jnp.zeros_like(state.plan_step),
+    )
 
 
 def _two_level(local: Policy, persist: Policy) -> Policy:
-    """The two-level policy of a level-1 and a level-2 one-level policy (module docstring)."""
+    """The two-level policy of a level-1 and a level-2 ``coci`` (module docstring)."""
 
     def combined(local_state, persist_state) -> LevelsState:
         clock = local_state.clock._replace(

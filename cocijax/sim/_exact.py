@@ -69,7 +69,7 @@ def expected_overhead(
       weights: per-step value weights; ``None`` means all 1.
       persist_cost_s: two-level jobs: stall seconds of a level-2 save
         (``checkpoint_cost_s`` is then a level-1 save's).
-      machine_mtbf_s: giving it makes the job two-level (see the module docstring): the mean
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
         time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
         then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
       machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a
@@ -159,7 +159,7 @@ def optimal_schedule(
       mtbf_s: mean time between failures.
       persist_cost_s: two-level jobs: stall seconds of a level-2 save
         (``checkpoint_cost_s`` is then a level-1 save's).
-      machine_mtbf_s: giving it makes the job two-level (see the module docstring): the mean
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
         time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
         then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
       machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a

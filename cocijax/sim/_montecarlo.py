@@ -59,7 +59,7 @@ def simulate(
         job time (see ``SimResult.finished``).
       persist_cost_s: two-level jobs: stall seconds of a level-2 save
         (``checkpoint_cost_s`` is then a level-1 save's).
-      machine_mtbf_s: giving it makes the job two-level (see the module docstring): the mean
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
         time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
         then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
       machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a
