@@ -153,8 +153,10 @@ def pattern_two_level(
     al., ``k`` level-1 intervals then a level-2 save (:func:`pattern_intervals`).
 
     A save once ``W / k`` seconds of training passed since the last save of either level, as
-    :func:`~cocijax.policies.young` saves; every ``k``-th save is level 2. ``k`` and ``W`` are
-    recomputed at each check from the smoothed costs of each level.
+    :func:`~cocijax.policies.young` saves; a level-2 one once the saves since the last
+    level-2 save span ``W``: every ``k``-th save, or, where steps are longer than ``W / k``
+    (a save at every step), every ``W / step`` -th. ``k`` and ``W`` are recomputed at each
+    check from the smoothed costs of each level.
 
     Args:
       mtbf_s: mean time between process failures, or ``None`` for the caller's
@@ -204,7 +206,9 @@ def pattern_two_level(
         every1, period = pattern_intervals(c1, c2, m1, m2)
         left = every1 - 0.5 * tau - clock.since_save
         save = _base.checking(clock, seen.step) & (left <= 0)
-        persisted = save & (state.count + 1 >= jnp.round(period / every1))  # the k-th save
+        # Every k-th save is level 2, k counted in saves as they come: one a step at least.
+        spacing = jnp.maximum(jnp.round(every1 / tau), 1.0) * tau
+        persisted = save & (state.count + 1 >= jnp.maximum(jnp.round(period / spacing), 1.0))
         after = jnp.where(save, left + clock.since_save, left)  # seconds to the next save
         next_check = _base.halfway(seen.step, after / tau)
         level = jnp.where(persisted, 2, jnp.where(save, 1, 0)).astype(jnp.int32)

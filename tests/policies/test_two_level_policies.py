@@ -51,6 +51,14 @@ def test_pattern_two_level_saves_at_the_pattern_s_intervals():
     assert (s.levels == 2).sum() == s.steps.size // 19
 
 
+def test_pattern_two_level_persists_every_period_when_steps_are_longer_than_its_interval():
+    # 248 s steps, a save at each (the level-1 interval is 84 s): every 6th save is level 2,
+    # 1488 s apart, not every 19th (4712 s).
+    s = cj.plan(np.ones(200), PATTERN2, step_time_s=248.0, **SC)
+    np.testing.assert_array_equal(s.steps, np.arange(1, 201))
+    np.testing.assert_array_equal(np.diff(s.steps[s.levels == 2]), 6)
+
+
 @pytest.mark.parametrize("policy", [COCI2, PATTERN2], ids=["coci", "pattern"])
 def test_a_level_2_save_counts_as_a_level_1_save(policy):
     """After a level-2 save the level-1 policy waits a full interval again, not saving at once
