@@ -49,25 +49,32 @@ class _Segments:
 def optimal_two_level(w: np.ndarray, *, step_time_s: float, job: TwoLevel) -> Schedule:
     """The two-level schedule of least expected weighted overhead (see
     :func:`cocijax.sim.optimal_schedule`)."""
-    n, tau, lam = w.size, step_time_s, job.lam
-    hard = n if lam == 0 else max(1, min(n, int(_MAX_FAILURES / (lam * tau))))
+    n, tau = w.size, step_time_s
+    # Segments over _MAX_FAILURES expected failures, or intervals over as many machine
+    # failures, are hopeless (and a segment's would overflow exp()).
+    hard1, hard2 = (
+        n if rate == 0 else max(1, min(n, int(_MAX_FAILURES / (rate * tau))))
+        for rate in (job.lam, job.lam2)
+    )
+    hard2 = max(hard1, hard2)
     stretch = math.sqrt(1.0 / max(float(w.min()), max(float(w.mean()), 1e-12) * 1e-2))
 
-    def first_cap(cost: float, rate: float) -> int:
+    def first_cap(cost: float, rate: float, hard: int) -> int:
         if rate == 0:
             return hard
         young = math.sqrt(2.0 * max(cost, 1e-9) / rate) / tau
         return min(hard, max(16, math.ceil(1.5 * young * stretch)))
 
-    cap2 = first_cap(job.c2, job.lam2)
-    cap1 = min(cap2, first_cap(job.c1, job.lam1))
+    cap2 = first_cap(job.c2, job.lam2, hard2)
+    cap1 = min(cap2, first_cap(job.c1, job.lam1, hard1))
     while True:
         schedule, long1, long2 = _solve(w, tau, job, cap1, cap2)
-        short1, short2 = long1 < cap1 or cap1 >= hard, long2 < cap2 or cap2 >= hard
+        short1 = long1 < cap1 or cap1 >= min(hard1, cap2)
+        short2 = long2 < cap2 or cap2 >= hard2
         if short1 and short2:
             return schedule
-        cap2 = cap2 if short2 else min(hard, 2 * cap2)
-        cap1 = min(cap2, cap1 if short1 else 2 * cap1)
+        cap2 = cap2 if short2 else min(hard2, 2 * cap2)
+        cap1 = min(cap2, hard1, cap1 if short1 else 2 * cap1)
 
 
 def _solve(w, tau, job: TwoLevel, cap1: int, cap2: int):
