@@ -6,10 +6,12 @@ overhead in the two-level model (:mod:`cocijax.sim`, Poisson failures, hindsight
 time_weight 0.25):
 
 * ``coci two-level``: :func:`cocijax.policies.coci_two_level`, told ``total_steps``;
-* ``classic two-level``: :func:`cocijax.policies.pattern_two_level`, the first-order optimal
-  pattern of Di et al. and Benoit et al.;
-* ``Young per level``: Young's interval at each level, the other classic candidate, shown to
-  justify the choice of the classic rule;
+* ``classic two-level``: :func:`cocijax.policies.young_two_level`, Young's interval at each
+  level;
+* ``pattern``: the other classic candidate, shown to justify the choice: the first-order optimal
+  periodic pattern of Benoit et al. (IEEE TC 2017; the model of Di et al., IPDPS 2014), ``k``
+  equal level-1 intervals then a level-2 save, ``k = sqrt((C2 - C1) M2 / (C1 M1))`` and period
+  ``W = sqrt(2 ((k - 1) C1 + C2) / (1 / (k M1) + 1 / M2))``, rounded to whole steps;
 * ``coci one-level``: :func:`cocijax.policies.coci` as a one-level job would run it: every save
   level 2 (cost ``C2``), planned for the combined failure rate and the level-2 recovery;
 * ``bound``: the exact two-level optimum (:func:`cocijax.sim.optimal_schedule`).
@@ -45,24 +47,19 @@ GROUPS = {
     "own curves, holdout split (held out of tuning)": ("holdout",),
     "own curves, fresh split (trained after coci was fixed)": ("fresh",),
 }
-POLICIES = ("coci two-level", "classic two-level", "Young per level", "coci one-level", "bound")
+POLICIES = ("coci two-level", "classic two-level", "pattern", "coci one-level", "bound")
 
 
-def young_per_level(n: int, tau: float, sc: dict) -> cj.sim.Schedule:
-    """Young's interval at each level: a level-1 save once ``sqrt(2 C1 M1)`` seconds passed
-    since the last save, a level-2 one once ``sqrt(2 C2 M2)`` passed since the last level-2
-    save (module docstring), each rounded to the nearest step."""
-    every1 = math.sqrt(2.0 * sc["checkpoint_cost_s"] * sc["mtbf_s"]) / tau
-    every2 = math.sqrt(2.0 * sc["persist_cost_s"] * sc["machine_mtbf_s"]) / tau
-    steps, levels, since1, since2 = [], [], 0, 0
-    for step in range(1, n + 1):
-        since1, since2 = since1 + 1, since2 + 1
-        level = 2 if since2 >= every2 - 0.5 else 1 if since1 >= every1 - 0.5 else 0
-        if level:
-            steps.append(step)
-            levels.append(level)
-            since1, since2 = 0, 0 if level == 2 else since2
-    return cj.sim.Schedule(np.asarray(steps, np.int64), np.asarray(levels, np.int64))
+def pattern(n: int, tau: float, sc: dict) -> cj.sim.Schedule:
+    """Benoit et al.'s first-order optimal periodic pattern (module docstring)."""
+    c1, c2 = sc["checkpoint_cost_s"], sc["persist_cost_s"]
+    m1, m2 = sc["mtbf_s"], sc["machine_mtbf_s"]
+    k = max(1, round(math.sqrt(max(c2 - c1, 0.0) * m2 / (max(c1, 1e-9) * m1))))
+    period = math.sqrt(2.0 * ((k - 1) * c1 + c2) / (1.0 / (k * m1) + 1.0 / m2))
+    every = max(1, round(period / k / tau))  # steps between saves: one a step at least
+    k = max(1, round(period / (every * tau)))  # saves per period, as they come
+    steps = np.arange(every, n + 1, every, dtype=np.int64)
+    return cj.sim.Schedule(steps, np.where(np.arange(1, steps.size + 1) % k == 0, 2, 1))
 
 
 def run_case(y: np.ndarray, sc: dict) -> dict:
@@ -78,8 +75,8 @@ def run_case(y: np.ndarray, sc: dict) -> dict:
     schedules = {
         "coci two-level": cj.plan(y, cj.policies.coci_two_level(
             m1, r1, TIME_WEIGHT, total_steps=n, machine_mtbf_s=m2, machine_recovery_s=r2), **feed),
-        "classic two-level": cj.plan(y, cj.policies.pattern_two_level(m1, m2), **feed),
-        "Young per level": young_per_level(n, tau, sc),
+        "classic two-level": cj.plan(y, cj.policies.young_two_level(m1, m2), **feed),
+        "pattern": pattern(n, tau, sc),
         # One level: every save persisted (level 2), against every failure.
         "coci one-level": cj.plan(
             y, cj.policies.coci(1.0 / (1.0 / m1 + 1.0 / m2), r2, TIME_WEIGHT, total_steps=n),
@@ -107,7 +104,7 @@ def run_case(y: np.ndarray, sc: dict) -> dict:
         bound_red=gain / classic,
         capture=capture("coci two-level"),
         capture_one_level=capture("coci one-level"),
-        capture_young=capture("Young per level"),
+        capture_pattern=capture("pattern"),
         vs_classic=res["coci two-level"]["weighted_s"] / classic - 1.0,
     )
 
@@ -124,9 +121,8 @@ def summarise(rows: list[dict], sets: tuple[str, ...]) -> dict:
         one_level_median=statistics.median(fin("capture_one_level")),
         worst=max(r["vs_classic"] for r in sel),
         bound_red=statistics.median(r["bound_red"] for r in sel),
-        young_vs_classic=statistics.median(
-            r["res"]["Young per level"]["weighted_s"] / r["res"]["classic two-level"]["weighted_s"]
-            - 1
+        pattern_vs_classic=statistics.median(
+            r["res"]["pattern"]["weighted_s"] / r["res"]["classic two-level"]["weighted_s"] - 1
             for r in sel
         ),
     )
@@ -142,8 +138,8 @@ def targets(s: dict) -> list[tuple[str, str, str]]:
         ("coci two-level: least capture", f"{s['capture_min']:.0%}", "measure"),
         ("coci one-level (every save level 2): median capture", f"{s['one_level_median']:.0%}",
          "measure"),
-        ("Young per level against the classic pattern (median)",
-         f"{s['young_vs_classic']:+.2%}", "measure"),
+        ("Benoit et al.'s pattern against Young per level (median)",
+         f"{s['pattern_vs_classic']:+.2%}", "measure"),
         ("the bound's reduction against the classic rule (median)", f"{s['bound_red']:.1%}",
          "measure"),
     ]  # fmt: skip
@@ -247,8 +243,9 @@ def report(data, console, args, machine: str) -> None:
         "Weighted overhead in seconds (time_weight 0.25, hindsight weights), the exact "
         "expectation in the two-level model of `cj.sim`; the bound is the exact two-level "
         "optimum (DP). Capture = (classic two-level - policy) / (classic two-level - bound). "
-        "`classic two-level`: `pattern_two_level`, the first-order optimal pattern of Di et al. "
-        "and Benoit et al.; `Young per level`: Young's interval at each level; "
+        "`classic two-level`: `young_two_level`, Young's interval at each level; `pattern`: "
+        "the first-order optimal periodic pattern of Benoit et al. (the other classic "
+        "candidate); "
         "`coci one-level`: `coci` with "
         "every save level 2 (cost C2), planned for the combined failure rate and R2. Saves are "
         "counted level 1 / level 2.",

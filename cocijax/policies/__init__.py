@@ -14,10 +14,9 @@ from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, you
 from cocijax.policies._coci import CociState, coci
 from cocijax.policies._levels import (
     LevelsState,
-    PatternState,
+    YoungLevelsState,
     coci_two_level,
-    pattern_intervals,
-    pattern_two_level,
+    young_two_level,
 )
 from cocijax.policies._paper import coci_paper
 from cocijax.policies._plan import Batch, next_check, plan, update_many
@@ -27,9 +26,9 @@ __all__ = [
     "Batch",
     "CociState",
     "LevelsState",
-    "PatternState",
     "Policy",
     "Runner",
+    "YoungLevelsState",
     "by_name",
     "checkfreq",
     "coci",
@@ -41,10 +40,9 @@ __all__ = [
     "fixed",
     "names",
     "next_check",
-    "pattern_intervals",
-    "pattern_two_level",
     "plan",
     "update_many",
     "young",
     "young_interval",
+    "young_two_level",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cocijax.policies._base import Policy
 from cocijax.policies._classic import checkfreq, daly, fixed, young
 from cocijax.policies._coci import coci
-from cocijax.policies._levels import coci_two_level, pattern_two_level
+from cocijax.policies._levels import coci_two_level, young_two_level
 from cocijax.policies._paper import coci_paper
 
 CONSTRUCTORS = {
@@ -15,11 +15,11 @@ CONSTRUCTORS = {
     "checkfreq": checkfreq,
     "coci": coci,
     "coci_paper": coci_paper,
-    "pattern_two_level": pattern_two_level,
+    "young_two_level": young_two_level,
     "coci_two_level": coci_two_level,
 }
 # The constructors of two-level policies (``Policy.levels == 2``).
-TWO_LEVEL = ("pattern_two_level", "coci_two_level")
+TWO_LEVEL = ("young_two_level", "coci_two_level")
 
 
 def names(levels: int | None = None) -> tuple[str, ...]:
@@ -34,7 +34,7 @@ def names(levels: int | None = None) -> tuple[str, ...]:
       >>> cj.policies.names(levels=1)
       ('fixed', 'young', 'daly', 'checkfreq', 'coci', 'coci_paper')
       >>> cj.policies.names(levels=2)
-      ('pattern_two_level', 'coci_two_level')
+      ('young_two_level', 'coci_two_level')
     """
     if levels not in (None, 1, 2):
         raise ValueError(f"levels: expected 1, 2 or None, got {levels!r}.")
@@ -46,7 +46,7 @@ def by_name(name: str, **kwargs) -> Policy:
 
     Args:
       name: one of ``'fixed'``, ``'young'``, ``'daly'``, ``'checkfreq'``, ``'coci'``,
-        ``'coci_paper'``, or of the two-level ``'pattern_two_level'``, ``'coci_two_level'``
+        ``'coci_paper'``, or of the two-level ``'young_two_level'``, ``'coci_two_level'``
         (case-insensitive; ``-`` counts as ``_``).
       **kwargs: passed to the constructor.
 

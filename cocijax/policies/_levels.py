@@ -9,10 +9,11 @@ level-2 policy saves, else 1 when the level-1 one does. A level-2 save is a leve
 the level-1 policy is then told it saved (its work since the last save and its clock reset, and
 it plans anew at its next step), so that it does not save again right after.
 
-The classic rule, :func:`pattern_two_level`, is the
-first-order optimal pattern of Di et al. and Benoit et al. (``k`` level-1 intervals, then a
-level-2 save): on the two-level benchmark its periodic schedule was 0.5 to 0.8% better than
-Young's interval at each level (``sqrt(2 C1 M1)`` and ``sqrt(2 C2 M2)``), see BENCHMARKS.md.
+The classic rule, :func:`young_two_level`, is Young's interval at each level. The other
+candidate, the first-order optimal pattern of Benoit et al. (``k`` equal level-1 intervals, then
+a level-2 save, ``k = sqrt((C2 - C1) M2 / (C1 M1))``), was as good or worse on the two-level
+benchmark (median +0.0% on the shared curves, +0.5 to +0.9% on the others as a policy; see
+BENCHMARKS.md).
 
 References:
   Di, Bouguerra, Bautista-Gomez, Cappello, `Optimization of multi-level checkpoint model
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 
 from cocijax.policies import _base
 from cocijax.policies._base import Policy
+from cocijax.policies._classic import young_interval
 from cocijax.policies._coci import DEFAULT_PRIOR_RECOVERY_S, CociState, coci
 
 # The machine MTBF assumed before one is given or measured, as a multiple of the process one's
@@ -117,30 +119,14 @@ def coci_two_level(
     return _two_level(local, persist)
 
 
-def pattern_intervals(c1, c2, mtbf_s, machine_mtbf_s):
-    """The first-order optimal two-level pattern: ``(level-1 interval, level-2 interval)``.
-
-    A level-2 save closes every ``k`` level-1 intervals, ``k = sqrt((C2 - C1) M2 / (C1 M1))``
-    rounded (at least 1), and the pattern's period (seconds of work) is
-    ``W = sqrt(2 ((k - 1) C1 + C2) / (1 / (k M1) + 1 / M2))``: the intervals are ``W / k`` and
-    ``W`` (numpy or jax inputs).
-    """
-    c1, c2 = jnp.maximum(c1, 1e-6), jnp.maximum(c2, 0.0)
-    k = jnp.sqrt(jnp.maximum(c2 - c1, 0.0) * machine_mtbf_s / (c1 * mtbf_s))
-    k = jnp.clip(jnp.round(k), 1.0, 1e4)
-    period = jnp.sqrt(2.0 * ((k - 1.0) * c1 + c2) / (1.0 / (k * mtbf_s) + 1.0 / machine_mtbf_s))
-    return period / k, period
-
-
-class PatternState(NamedTuple):
-    """State of :func:`pattern_two_level`."""
+class YoungLevelsState(NamedTuple):
+    """State of :func:`young_two_level`."""
 
     clock: _base.Clock  # since a save of either level; smooths the level-1 save cost
-    persist: _base.Clock  # smooths the level-2 save cost (``persist_cost_s``)
-    count: jnp.ndarray  # shape=(), int32, saves since the last level-2 save
+    persist: _base.Clock  # since a level-2 save; smooths its cost (``persist_cost_s``)
 
 
-def pattern_two_level(
+def young_two_level(
     mtbf_s: float | None = None,
     machine_mtbf_s: float | None = None,
     *,
@@ -149,14 +135,13 @@ def pattern_two_level(
     cost_prior_s: float | None = None,
     persist_cost_prior_s: float | None = None,
 ) -> Policy:
-    """The classic two-level rule: the first-order optimal pattern of Di et al. and Benoit et
-    al., ``k`` level-1 intervals then a level-2 save (:func:`pattern_intervals`).
+    """The classic two-level rule: Young's interval at each level.
 
-    A save once ``W / k`` seconds of training passed since the last save of either level, as
-    :func:`~cocijax.policies.young` saves; a level-2 one once the saves since the last
-    level-2 save span ``W``: every ``k``-th save, or, where steps are longer than ``W / k``
-    (a save at every step), every ``W / step`` -th. ``k`` and ``W`` are recomputed at each
-    check from the smoothed costs of each level.
+    A level-1 save once ``sqrt(2 C1 M1)`` seconds of training passed since the last save of
+    either level, a level-2 save once ``sqrt(2 C2 M2)`` passed since the last level-2 save
+    (``M1``, ``M2`` the process and machine MTBFs), each rounded to the nearest step and
+    recomputed at each check from the smoothed costs, as :func:`~cocijax.policies.young`
+    does with its one interval.
 
     Args:
       mtbf_s: mean time between process failures, or ``None`` for the caller's
@@ -177,11 +162,16 @@ def pattern_two_level(
 
     Example:
       >>> import numpy as np, cocijax as cj
-      >>> policy = cj.policies.pattern_two_level(2 * 3600.0, 12 * 3600.0)
+      >>> policy = cj.policies.young_two_level(2 * 3600.0, 12 * 3600.0)
       >>> s = cj.plan(np.ones(2000), policy, step_time_s=5.0, checkpoint_cost_s=0.5,
       ...             persist_cost_s=30.0)
       >>> np.diff(s.steps)[:3].tolist(), np.diff(s.steps[s.levels == 2])[:2].tolist()
-      ([17, 17, 17], [323, 323])
+      ([17, 17, 17], [322, 322])
+
+    References:
+      Young, `A first order approximation to the optimum checkpoint interval
+      <https://doi.org/10.1145/361147.361115>`_, CACM 1974, per level as in the two-level
+      models of Di et al. and Benoit et al. (module docstring).
     """
     given1, prior1 = _base.check_mtbf(mtbf_s, prior_mtbf_s)
     given2 = (
@@ -191,10 +181,10 @@ def pattern_two_level(
     prior_c1 = _base.check_cost_prior(cost_prior_s)
     prior_c2 = _base.check_cost_prior(persist_cost_prior_s)
 
-    def init() -> PatternState:
-        return PatternState(_base.clock_init(), _base.clock_init(), jnp.zeros((), jnp.int32))
+    def init() -> YoungLevelsState:
+        return YoungLevelsState(_base.clock_init(), _base.clock_init())
 
-    def rule(state: PatternState, seen: _base.Seen):
+    def rule(state: YoungLevelsState, seen: _base.Seen):
         clock, _, _ = _base.clock_tick(state.clock, seen)
         persist, _, _ = _base.clock_tick(
             state.persist, seen._replace(checkpoint_cost_s=seen.persist_cost_s)
@@ -203,20 +193,21 @@ def pattern_two_level(
         _, c2 = _base.smoothed(persist, prior_c2)
         m1 = _base.resolve(given1, seen.mtbf_s, prior1)
         m2 = _base.resolve(given2, seen.machine_mtbf_s, prior2)
-        every1, period = pattern_intervals(c1, c2, m1, m2)
-        left = every1 - 0.5 * tau - clock.since_save
-        save = _base.checking(clock, seen.step) & (left <= 0)
-        # Every k-th save is level 2, k counted in saves as they come: one a step at least.
-        spacing = jnp.maximum(jnp.round(every1 / tau), 1.0) * tau
-        persisted = save & (state.count + 1 >= jnp.maximum(jnp.round(period / spacing), 1.0))
-        after = jnp.where(save, left + clock.since_save, left)  # seconds to the next save
+        left1 = young_interval(c1, m1) - 0.5 * tau - clock.since_save
+        left2 = young_interval(c2, m2) - 0.5 * tau - persist.since_save
+        check = _base.checking(clock, seen.step)
+        persisted = check & (left2 <= 0)
+        save = persisted | (check & (left1 <= 0))
+        # Seconds to the next save of either level, as young() counts them.
+        after = jnp.minimum(
+            jnp.where(save, left1 + clock.since_save, left1),
+            jnp.where(persisted, left2 + persist.since_save, left2),
+        )
         next_check = _base.halfway(seen.step, after / tau)
         level = jnp.where(persisted, 2, jnp.where(save, 1, 0)).astype(jnp.int32)
-        count = jnp.where(persisted, 0, state.count + save.astype(jnp.int32))
-        return level, PatternState(
+        return level, YoungLevelsState(
             _base.clock_saved(clock, save, seen.step, next_check),
             _base.clock_saved(persist, persisted, seen.step, next_check),
-            count,
         )
 
     return _base.make_policy(

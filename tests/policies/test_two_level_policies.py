@@ -1,5 +1,5 @@
 """The two-level policies: levels through plan and the Runner, a level-2 save counting as a
-level-1 one, the classic pattern's intervals, and coci_two_level against it in the two-level
+level-1 one, Young's interval per level, and coci_two_level against it in the two-level
 model."""
 
 import jax
@@ -25,10 +25,10 @@ def coci2(**kw):
 
 # Built once: plan caches its compiled scan per policy object.
 COCI2 = coci2()
-PATTERN2 = cj.policies.pattern_two_level(7200.0, 43200.0)
+YOUNG2 = cj.policies.young_two_level(7200.0, 43200.0)
 
 
-@pytest.mark.parametrize("policy", [COCI2, PATTERN2], ids=["coci", "pattern"])
+@pytest.mark.parametrize("policy", [COCI2, YOUNG2], ids=["coci", "young"])
 def test_two_level_policies_plan_both_levels(policy):
     assert policy.levels == 2
     s = cj.plan(LOSSES, policy, step_time_s=TAU, **SC)
@@ -38,28 +38,26 @@ def test_two_level_policies_plan_both_levels(policy):
     assert n1 > 5 * n2 > 0, (n1, n2)  # C1 is 60 times cheaper and process failures 6 times likelier
 
 
-def test_pattern_two_level_saves_at_the_pattern_s_intervals():
-    s = cj.plan(np.ones(N), PATTERN2, step_time_s=TAU, **SC)
-    every1, every2 = (
-        float(x) / TAU for x in cj.policies.pattern_intervals(0.5, 30.0, 7200.0, 43200.0)
-    )
-    assert 16 < every1 < 17 and 319 < every2 < 321  # k = 19 level-1 intervals per level-2 one
+def test_young_two_level_saves_at_young_s_interval_per_level():
+    s = cj.plan(np.ones(N), YOUNG2, step_time_s=TAU, **SC)
+    every1 = round(cj.policies.young_interval(0.5, 7200.0) / TAU)  # 17 steps
+    every2 = round(cj.policies.young_interval(30.0, 43200.0) / TAU)  # 322 steps
     gaps = np.diff(np.concatenate([[0], s.steps]))
-    assert np.all(np.abs(gaps - every1) <= 1.0), gaps
-    # Every 19th save is level 2: the pattern is 19 intervals, the last closed by a level-2 save.
-    np.testing.assert_array_equal(np.flatnonzero(s.levels == 2) % 19, 18)
-    assert (s.levels == 2).sum() == s.steps.size // 19
+    # Level-1 saves every 17 steps since the last save of either level.
+    np.testing.assert_array_equal(gaps[s.levels == 1], every1)
+    np.testing.assert_array_equal(np.diff(s.steps[s.levels == 2]), every2)
+    assert (every1, every2) == (17, 322)
 
 
-def test_pattern_two_level_persists_every_period_when_steps_are_longer_than_its_interval():
-    # 248 s steps, a save at each (the level-1 interval is 84 s): every 6th save is level 2,
-    # 1488 s apart, not every 19th (4712 s).
-    s = cj.plan(np.ones(200), PATTERN2, step_time_s=248.0, **SC)
+def test_young_two_level_persists_on_time_when_steps_are_longer_than_its_interval():
+    # 248 s steps, a save at each (the level-1 interval is 85 s): a level-2 save every 6
+    # steps (1488 s against sqrt(2 C2 M2) = 1610 s).
+    s = cj.plan(np.ones(200), YOUNG2, step_time_s=248.0, **SC)
     np.testing.assert_array_equal(s.steps, np.arange(1, 201))
     np.testing.assert_array_equal(np.diff(s.steps[s.levels == 2]), 6)
 
 
-@pytest.mark.parametrize("policy", [COCI2, PATTERN2], ids=["coci", "pattern"])
+@pytest.mark.parametrize("policy", [COCI2, YOUNG2], ids=["coci", "young"])
 def test_a_level_2_save_counts_as_a_level_1_save(policy):
     """After a level-2 save the level-1 policy waits a full interval again, not saving at once
     where its own clock (ignorant of the level-2 save) said it was due."""
@@ -75,9 +73,9 @@ def test_a_level_2_save_counts_as_a_level_1_save(policy):
 
 
 def test_the_runner_decides_the_levels_plan_does():
-    # The pattern: compiling coci_two_level's batched update takes longer than all the rest.
-    s = cj.plan(LOSSES[:800], PATTERN2, step_time_s=TAU, **SC)
-    runner = cj.policies.Runner(PATTERN2)
+    # Young's: compiling coci_two_level's batched update takes longer than all the rest.
+    s = cj.plan(LOSSES[:800], YOUNG2, step_time_s=TAU, **SC)
+    runner = cj.policies.Runner(YOUNG2)
     got = {}
     for step in range(1, 801):
         level = runner.decide(step, loss=jax.numpy.float32(LOSSES[step - 1]), step_time_s=TAU, **SC)
@@ -98,22 +96,22 @@ def test_coci_two_level_beats_the_classic_rule_on_a_converging_job():
         cj.sim.optimal_schedule(w, **{k: v for k, v in JOB.items() if k != "n_steps"}),
         weights=w, **JOB,
     ).weighted_s  # fmt: skip
-    coci, classic = score(COCI2), score(PATTERN2)
+    coci, classic = score(COCI2), score(YOUNG2)
     assert bound <= coci < classic
     assert (classic - coci) / (classic - bound) > 0.8  # measured: 0.95
 
 
 def test_the_caller_s_machine_mtbf_is_used_when_none_is_built_in():
-    policy = cj.policies.pattern_two_level(7200.0)  # machine MTBF from the caller
+    policy = cj.policies.young_two_level(7200.0)  # machine MTBF from the caller
     rare = cj.plan(np.ones(N), policy, step_time_s=TAU, machine_mtbf_s=10 * 43200.0, **SC)
     often = cj.plan(np.ones(N), policy, step_time_s=TAU, machine_mtbf_s=43200.0 / 10, **SC)
     assert (rare.levels == 2).sum() < (often.levels == 2).sum()
 
 
 def test_two_level_policies_are_found_by_name():
-    assert cj.policies.names(levels=2) == ("pattern_two_level", "coci_two_level")
+    assert cj.policies.names(levels=2) == ("young_two_level", "coci_two_level")
     assert set(cj.policies.names()) == set(cj.policies.names(levels=1)) | {
-        "pattern_two_level",
+        "young_two_level",
         "coci_two_level",
     }
     policy = cj.policies.by_name("coci-two-level", mtbf_s=3600.0, machine_mtbf_s=7200.0)
@@ -121,6 +119,6 @@ def test_two_level_policies_are_found_by_name():
     with pytest.raises(ValueError, match="levels: expected 1, 2 or None"):
         cj.policies.names(levels=3)
     with pytest.raises(ValueError, match="prior_machine_mtbf_s"):
-        cj.policies.pattern_two_level(prior_machine_mtbf_s=-1.0)
+        cj.policies.young_two_level(prior_machine_mtbf_s=-1.0)
     with pytest.raises(ValueError, match="time_weight"):
         coci2(time_weight=2.0)
