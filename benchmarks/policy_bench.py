@@ -39,7 +39,8 @@ The split ``fresh`` holds curves trained after every parameter of ``coci`` was f
 ``benchmarks/curves/SOURCES.md``).
 
 Run: ``python benchmarks/policy_bench.py [--trials 1000] [--write]``; ``--write`` records the
-tables in BENCHMARKS.md and the figure in docs/policy_bench.png.
+tables in BENCHMARKS.md and the figure in docs/policy_bench.png. ``--two-level [--json PATH]``
+runs the two-level benchmark instead (``_policy_levels``).
 
 Here: the curves, the speed checks, the tables and the figure; ``_policy_cases`` runs and
 scores one case, ``_policy_targets`` summarises the cases and checks the targets.
@@ -58,6 +59,7 @@ import time
 import zlib
 from pathlib import Path
 
+import _policy_levels
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,6 +183,8 @@ def main() -> None:
     ap.add_argument("--shared", type=Path, default=SHARED, help="the shared curves' directory")
     ap.add_argument("--curves", nargs="*", help="substrings of curve names to run")
     ap.add_argument("--write", action="store_true", help="record the tables in BENCHMARKS.md")
+    ap.add_argument("--two-level", action="store_true", help="the two-level benchmark instead")
+    ap.add_argument("--json", type=Path, help="--two-level: write each case to this JSON file")
     args = ap.parse_args()
     data = curves(args.shared)
     if args.curves:
@@ -188,6 +192,8 @@ def main() -> None:
     if not data:
         raise SystemExit(f"No loss curves found under {args.shared} or {OWN}.")
     console = Console(width=200)
+    if args.two_level:
+        return _policy_levels.report(data, console, args, machine())
     t_start = time.perf_counter()
     rows = []
     for name, subset, y in data:

@@ -51,7 +51,7 @@ class _PolicyNames:
     def _names(self) -> tuple[str, ...]:
         from cocijax import policies
 
-        return (*policies.names(), "all")
+        return (*policies.names(levels=1), "all")
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()

@@ -170,7 +170,7 @@ def plan(args: argparse.Namespace) -> int:
     if args.policy == "all":
         from cocijax import policies
 
-        names = [p for p in policies.names() if p != "fixed" or args.every is not None]
+        names = [p for p in policies.names(levels=1) if p != "fixed" or args.every is not None]
     else:
         names = [args.policy]
     rows = plan_policies(history, names, args)

@@ -12,6 +12,12 @@ from cocijax.policies._base import Policy, default_prior_mtbf_s
 from cocijax.policies._by_name import by_name, names
 from cocijax.policies._classic import checkfreq, daly, daly_interval, fixed, young, young_interval
 from cocijax.policies._coci import CociState, coci
+from cocijax.policies._levels import (
+    LevelsState,
+    YoungLevelsState,
+    coci_two_level,
+    young_two_level,
+)
 from cocijax.policies._paper import coci_paper
 from cocijax.policies._plan import Batch, next_check, plan, update_many
 from cocijax.policies._runner import Runner
@@ -19,12 +25,15 @@ from cocijax.policies._runner import Runner
 __all__ = [
     "Batch",
     "CociState",
+    "LevelsState",
     "Policy",
     "Runner",
+    "YoungLevelsState",
     "by_name",
     "checkfreq",
     "coci",
     "coci_paper",
+    "coci_two_level",
     "daly",
     "daly_interval",
     "default_prior_mtbf_s",
@@ -35,4 +44,5 @@ __all__ = [
     "update_many",
     "young",
     "young_interval",
+    "young_two_level",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cocijax.policies._base import Policy
 from cocijax.policies._classic import checkfreq, daly, fixed, young
 from cocijax.policies._coci import coci
+from cocijax.policies._levels import coci_two_level, young_two_level
 from cocijax.policies._paper import coci_paper
 
 CONSTRUCTORS = {
@@ -14,18 +15,30 @@ CONSTRUCTORS = {
     "checkfreq": checkfreq,
     "coci": coci,
     "coci_paper": coci_paper,
+    "young_two_level": young_two_level,
+    "coci_two_level": coci_two_level,
 }
+# The constructors of two-level policies (``Policy.levels == 2``).
+TWO_LEVEL = ("young_two_level", "coci_two_level")
 
 
-def names() -> tuple[str, ...]:
+def names(levels: int | None = None) -> tuple[str, ...]:
     """The names :func:`by_name` knows.
+
+    Args:
+      levels: 1 or 2 for only the policies of that many levels (``Policy.levels``); ``None``
+        for all.
 
     Example:
       >>> import cocijax as cj
-      >>> cj.policies.names()
+      >>> cj.policies.names(levels=1)
       ('fixed', 'young', 'daly', 'checkfreq', 'coci', 'coci_paper')
+      >>> cj.policies.names(levels=2)
+      ('young_two_level', 'coci_two_level')
     """
-    return tuple(CONSTRUCTORS)
+    if levels not in (None, 1, 2):
+        raise ValueError(f"levels: expected 1, 2 or None, got {levels!r}.")
+    return tuple(k for k in CONSTRUCTORS if levels is None or (k in TWO_LEVEL) == (levels == 2))
 
 
 def by_name(name: str, **kwargs) -> Policy:
@@ -33,7 +46,8 @@ def by_name(name: str, **kwargs) -> Policy:
 
     Args:
       name: one of ``'fixed'``, ``'young'``, ``'daly'``, ``'checkfreq'``, ``'coci'``,
-        ``'coci_paper'`` (case-insensitive; ``-`` counts as ``_``).
+        ``'coci_paper'``, or of the two-level ``'young_two_level'``, ``'coci_two_level'``
+        (case-insensitive; ``-`` counts as ``_``).
       **kwargs: passed to the constructor.
 
     Returns:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cocijax.policies._base import Policy, Seen
+from cocijax.sim._levels import Schedule
 
 
 def plan(
@@ -23,7 +24,10 @@ def plan(
     checkpoint_cost_s,
     mtbf_s=math.nan,
     recovery_s=math.nan,
-) -> np.ndarray:
+    persist_cost_s=math.nan,
+    machine_mtbf_s=math.nan,
+    machine_recovery_s=math.nan,
+) -> np.ndarray | Schedule:
     """Runs ``policy`` online over ``losses`` and returns the steps it saves at.
 
     Step ``i`` (1-based) sees ``losses[i - 1]`` and only the history before it: the policy as
@@ -39,9 +43,15 @@ def plan(
       mtbf_s: the MTBF a caller has measured, a scalar or one value per step (NaN: unknown);
         used by policies built without ``mtbf_s``.
       recovery_s: likewise for the recovery time.
+      persist_cost_s: two-level policies (``policy.levels == 2``): the stall of a level-2
+        save, a scalar or one value per step (``checkpoint_cost_s`` is then a level-1 save's).
+      machine_mtbf_s: two-level policies: the machine MTBF a caller has measured, likewise.
+      machine_recovery_s: two-level policies: the recovery time from a level-2 save, likewise.
 
     Returns:
-      int64 array of the 1-based steps after which the policy saves, increasing.
+      int64 array of the 1-based steps after which the policy saves, increasing; for a
+      two-level policy, a :class:`cocijax.sim.Schedule` (those steps and each save's level),
+      which :mod:`cocijax.sim` scores.
 
     Raises:
       ValueError: if ``losses`` is not 1-D or a per-step array has the wrong length.
@@ -73,9 +83,15 @@ def plan(
         per_step("checkpoint_cost_s", checkpoint_cost_s),
         per_step("mtbf_s", mtbf_s),
         per_step("recovery_s", recovery_s),
+        per_step("persist_cost_s", persist_cost_s),
+        per_step("machine_mtbf_s", machine_mtbf_s),
+        per_step("machine_recovery_s", machine_recovery_s),
     )
-    saves = np.asarray(_run(policy, xs))
-    return np.flatnonzero(saves).astype(np.int64) + 1
+    levels = np.asarray(_run(policy, xs))
+    steps = np.flatnonzero(levels).astype(np.int64) + 1
+    if getattr(policy, "levels", 1) == 2:
+        return Schedule(steps, levels[steps - 1].astype(np.int64))
+    return steps
 
 
 def _run(policy: Policy, xs):
@@ -112,16 +128,16 @@ def _caller(policy: Policy) -> Callable[..., Any]:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _scan(policy, steps, losses, step_times, costs, mtbfs, recoveries):
+def _scan(policy, *xs):
+    """The level decided at each step, for the inputs ``xs`` (one array per field of Seen)."""
     update = _caller(policy)
 
     def body(state, x):
         level, state = update(state, **Seen(*x)._asdict())
-        return state, level > 0
+        return state, level
 
-    xs = (steps, losses, step_times, costs, mtbfs, recoveries)
-    _, saves = jax.lax.scan(body, policy.init(), xs)
-    return saves
+    _, levels = jax.lax.scan(body, policy.init(), xs)
+    return levels
 
 
 class Batch(NamedTuple):

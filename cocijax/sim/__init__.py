@@ -8,6 +8,14 @@ spends ``recovery_s`` seconds recovering (a failure during recovery restarts it)
 to the newest completed checkpoint and recomputes. Failures can hit during work, a stall,
 recovery or recomputation alike.
 
+**Two levels.** Given ``machine_mtbf_s`` (with ``persist_cost_s`` and ``machine_recovery_s``),
+every scorer models a job that saves at two levels (:mod:`cocijax.sim._levels`): a level-1 save
+(stall ``checkpoint_cost_s``, e.g. to memory) survives a process failure (MTBF ``mtbf_s``,
+recovery ``recovery_s``); a level-2 save (stall ``persist_cost_s``, e.g. to durable storage)
+also survives a machine failure (MTBF ``machine_mtbf_s``, recovery ``machine_recovery_s``),
+which rolls the job back to its newest level-2 save. A schedule is then a :class:`Schedule`
+(steps and the level of each save); plain steps are all level-2 saves (a one-level policy's).
+
 Overhead is reported in two currencies:
 
 * wall seconds: stall + recomputation + recovery, i.e. the wall time beyond ``n_steps *
@@ -41,12 +49,14 @@ from cocijax.sim._exact import (
     expected_overhead_periodic,
     optimal_schedule,
 )
+from cocijax.sim._levels import Schedule
 from cocijax.sim._model import MAX_OVERHEAD_FACTOR, SimResult, progress_weights
 from cocijax.sim._montecarlo import replay, simulate
 
 __all__ = [
     "MAX_OVERHEAD_FACTOR",
     "Expected",
+    "Schedule",
     "SimResult",
     "expected_overhead",
     "expected_overhead_periodic",

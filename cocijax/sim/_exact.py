@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cocijax.sim._levels import Schedule, expected_two_level, two_level_job
+from cocijax.sim._levels_dp import optimal_two_level
 from cocijax.sim._model import _check_job, _save_steps, _segments, _weights
 
 
@@ -45,21 +47,33 @@ def expected_overhead(
     recovery_s: float,
     mtbf_s: float,
     weights=None,
+    persist_cost_s: float | None = None,
+    machine_mtbf_s: float | None = None,
+    machine_recovery_s: float | None = None,
 ) -> Expected:
     """The exact expected overhead of a save schedule under Poisson failures.
 
     The cost model of :func:`simulate` with ``weibull_shape=1``, without sampling: each
     segment's expectation is summed in closed form (``inf`` where the schedule cannot
-    practically finish). Runs in ``O(n_steps)``.
+    practically finish); for a two-level job, each interval between level-2 saves by the
+    recursion of :mod:`cocijax.sim._levels`. Runs in ``O(n_steps)``.
 
     Args:
-      save_steps: 1-based steps after which the job saves.
+      save_steps: 1-based steps after which the job saves; for a two-level job, a
+        :class:`Schedule` (plain steps are then all level-2 saves).
       n_steps: number of training steps.
       step_time_s: seconds per step.
       checkpoint_cost_s: stall seconds per save.
       recovery_s: recovery seconds per failure.
       mtbf_s: mean time between failures.
       weights: per-step value weights; ``None`` means all 1.
+      persist_cost_s: two-level jobs: stall seconds of a level-2 save
+        (``checkpoint_cost_s`` is then a level-1 save's).
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
+        time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
+        then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
+      machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a
+        level-2 save; ``recovery_s`` is then the recovery from a process failure).
 
     Returns:
       :class:`Expected` (wall and weighted seconds).
@@ -69,8 +83,28 @@ def expected_overhead(
       ...                       recovery_s=5.0, mtbf_s=1e9)
       >>> round(e.wall_s, 3), round(e.weighted_s, 3)
       (2.0, 2.0)
+
+      Two levels: saves of 0.5 s in memory every 25 steps, of 1 s to disk every 50.
+
+      >>> two = Schedule([25, 50, 75, 100], [1, 2, 1, 2])
+      >>> e = expected_overhead(two, n_steps=100, step_time_s=1.0, checkpoint_cost_s=0.5,
+      ...                       recovery_s=5.0, mtbf_s=1e9, persist_cost_s=1.0,
+      ...                       machine_mtbf_s=1e9, machine_recovery_s=60.0)
+      >>> round(e.wall_s, 3)
+      3.0
     """
-    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    job = two_level_job(
+        save_steps, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
+        recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
+    )  # fmt: skip
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
+    if job is not None:
+        return Expected(
+            *expected_two_level(
+                save_steps, n_steps=n_steps, step_time_s=step_time_s, job=job, weights=weights
+            )
+        )
     n_steps = int(n_steps)
     w = _weights(weights, n_steps)
     lam = 1.0 / mtbf_s
@@ -94,7 +128,10 @@ def optimal_schedule(
     checkpoint_cost_s: float,
     recovery_s: float,
     mtbf_s: float,
-) -> np.ndarray:
+    persist_cost_s: float | None = None,
+    machine_mtbf_s: float | None = None,
+    machine_recovery_s: float | None = None,
+) -> np.ndarray | Schedule:
     """The save schedule with the least expected weighted overhead under Poisson failures.
 
     Dynamic programming over checkpoint positions: ``cost[j]`` is the least expected cost of
@@ -104,15 +141,33 @@ def optimal_schedule(
     is ``O(n L)`` for segments of at most ``L`` steps; ``L`` starts at a few optimal intervals
     and doubles until no chosen segment reaches it, so the cap never binds.
 
+    Two levels (``machine_mtbf_s`` given): the same DP over the level-2 saves, whose
+    intervals' expected costs add up (a level-2 save is a renewal point of the Poisson model),
+    each interval's cost the least over its level-1 saves by an inner DP. The inner DP is exact
+    because ``Y_j = g_j Y_{j-1} + b_j`` (:mod:`cocijax.sim._levels`) increases with
+    ``Y_{j-1}`` (``g_j >= 1``): the best way to a level-1 save extends the best way to the one
+    before it. Both run together, for every interval start at once: ``O(n L1 L2)`` time and
+    ``O(L1 L2)`` memory for segments of at most ``L1`` steps and intervals of at most ``L2``,
+    both caps doubled until no chosen segment or interval reaches them, as above. A class of
+    failures that never happens (an MTBF of ``math.inf``) lifts its cap to ``n_steps``.
+
     Args:
       weights: per-step value weights (e.g. :func:`progress_weights`), length ``n_steps``.
       step_time_s: seconds per step.
       checkpoint_cost_s: stall seconds per save.
       recovery_s: recovery seconds per failure.
       mtbf_s: mean time between failures.
+      persist_cost_s: two-level jobs: stall seconds of a level-2 save
+        (``checkpoint_cost_s`` is then a level-1 save's).
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
+        time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
+        then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
+      machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a
+        level-2 save; ``recovery_s`` is then the recovery from a process failure).
 
     Returns:
-      int64 array of the 1-based steps to save after, increasing.
+      int64 array of the 1-based steps to save after, increasing; for a two-level job, a
+      :class:`Schedule` (the steps and the level of each save).
 
     Raises:
       ValueError: naming an argument that is out of range.
@@ -123,6 +178,11 @@ def optimal_schedule(
       ...                      recovery_s=0.0, mtbf_s=3600.0)
       >>> 240 <= int(np.median(np.diff(s))) <= 270  # ~ Young's sqrt(2 C M) = 268
       True
+      >>> two = optimal_schedule(np.ones(1200), step_time_s=1.0, checkpoint_cost_s=0.5,
+      ...                        recovery_s=15.0, mtbf_s=3600.0, persist_cost_s=30.0,
+      ...                        machine_mtbf_s=1800.0, machine_recovery_s=120.0)
+      >>> [int(x) for x in two.steps[two.levels == 2]]  # level-1 saves every ~64 steps
+      [292, 584, 877]
 
     References:
       Toueg and Babaoglu, `On the optimum checkpoint selection problem
@@ -132,8 +192,15 @@ def optimal_schedule(
     if w.ndim != 1 or w.size == 0:
         raise ValueError(f"weights must be a non-empty 1-D array, got shape {w.shape}.")
     n = w.size
-    _check_job(n, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    job = two_level_job(
+        None, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
+        recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
+    )  # fmt: skip
+    _check_job(n, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
     w = _weights(w, n)
+    if job is not None:
+        return optimal_two_level(w, step_time_s=step_time_s, job=job)
     lam = 1.0 / mtbf_s
     # Segments longer than ~600 MTBF are hopeless and would overflow exp() in the sums.
     hard_cap = max(1, min(n, int(600.0 / (lam * step_time_s))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -130,3 +131,52 @@ def _segments(steps: np.ndarray, n_steps: int, cost: float):
     ends = np.concatenate([steps, [n_steps]]) if steps.size == 0 or steps[-1] != n_steps else steps
     starts = np.concatenate([[0], ends[:-1]])
     return zip(starts, ends, np.where(np.isin(ends, steps), cost, 0.0), strict=True)
+
+
+class _Trials:
+    """Per-trial accumulators of :func:`simulate`, and the abandonment rule."""
+
+    def __init__(self, trials: int, t_next: np.ndarray, cap_s: float):
+        self.t_next = t_next  # time until the next failure
+        self.stall, self.lost, self.lost_w, self.recov, self.fails = np.zeros((5, trials))
+        self.alive = np.ones(trials, bool)  # not abandoned
+        self.cap_s = cap_s
+
+    def recover(self, hit: np.ndarray, recovery_s: float, draw) -> None:
+        """Recovers the trials ``hit`` (a recovery restarts on any failure inside it)."""
+        nxt = draw(hit.size)
+        pending = np.arange(hit.size)
+        while pending.size:
+            short = nxt[pending] < recovery_s
+            sp = pending[short]
+            if sp.size == 0:
+                break
+            self.recov[hit[sp]] += nxt[sp]
+            self.fails[hit[sp]] += 1
+            nxt[sp] = draw(sp.size)
+            # A recovery longer than the MTBF may never complete: stop at the cap.
+            sp = sp[self.stall[hit[sp]] + self.lost[hit[sp]] + self.recov[hit[sp]] < self.cap_s]
+            pending = sp
+        self.recov[hit] += recovery_s
+        self.t_next[hit] = nxt - recovery_s
+        over = self.stall[hit] + self.lost[hit] + self.recov[hit] >= self.cap_s
+        self.alive[hit[over]] = False
+
+    def result(self, n_saves: int) -> SimResult:
+        """The means over trials."""
+        wall = self.stall + self.lost + self.recov
+        weighted = self.stall + self.lost_w + self.recov
+        n = wall.size
+        se = lambda a: float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        return SimResult(
+            wall_overhead_s=float(wall.mean()),
+            weighted_overhead_s=float(weighted.mean()),
+            wall_overhead_se=se(wall),
+            weighted_overhead_se=se(weighted),
+            failures=float(self.fails.mean()),
+            stall_s=float(self.stall.mean()),
+            recompute_s=float(self.lost.mean()),
+            recovery_s=float(self.recov.mean()),
+            n_saves=int(n_saves),
+            finished=float(self.alive.mean()),
+        )

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from cocijax.sim._levels import two_level_job
+from cocijax.sim._levels_mc import simulate_two_level
 from cocijax.sim._model import (
     MAX_OVERHEAD_FACTOR,
     SimResult,
@@ -14,6 +16,7 @@ from cocijax.sim._model import (
     _cumulative_work,
     _save_steps,
     _segments,
+    _Trials,
     _weights,
 )
 
@@ -31,12 +34,16 @@ def simulate(
     trials: int = 1000,
     seed: int = 0,
     max_overhead_factor: float = MAX_OVERHEAD_FACTOR,
+    persist_cost_s: float | None = None,
+    machine_mtbf_s: float | None = None,
+    machine_recovery_s: float | None = None,
 ) -> SimResult:
     """Monte Carlo overhead of a save schedule under random failures.
 
     Args:
       save_steps: 1-based steps after which the job saves (any order, duplicates and steps
-        outside ``[1, n_steps]`` are dropped).
+        outside ``[1, n_steps]`` are dropped); for a two-level job, a
+        :class:`~cocijax.sim.Schedule` (plain steps are then all level-2 saves).
       n_steps: number of training steps in the job.
       step_time_s: seconds per step.
       checkpoint_cost_s: stall seconds per save.
@@ -50,9 +57,16 @@ def simulate(
         schedule (common random numbers), so differences between schedules have low variance.
       max_overhead_factor: abandon a trial once it has lost this many times the failure-free
         job time (see ``SimResult.finished``).
+      persist_cost_s: two-level jobs: stall seconds of a level-2 save
+        (``checkpoint_cost_s`` is then a level-1 save's).
+      machine_mtbf_s: giving it makes the job two-level (see :mod:`cocijax.sim`): the mean
+        time between machine failures, which only a level-2 save recovers from (``mtbf_s`` is
+        then that of process failures); ``math.inf`` for none, as ``mtbf_s`` may then be.
+      machine_recovery_s: two-level jobs: seconds to recover from a machine failure (from a
+        level-2 save; ``recovery_s`` is then the recovery from a process failure).
 
     Returns:
-      A :class:`SimResult` of means over trials.
+      A :class:`SimResult` of means over trials (``n_saves`` counts both levels).
 
     Raises:
       ValueError: naming the offending argument if it is out of range.
@@ -62,8 +76,20 @@ def simulate(
       ...              recovery_s=5.0, mtbf_s=1e9, trials=10)
       >>> r.wall_overhead_s, r.finished
       (2.0, 1.0)
+      >>> from cocijax.sim import Schedule
+      >>> two = Schedule([25, 50, 75, 100], [1, 2, 1, 2])  # level-1 saves of 0.5 s
+      >>> simulate(two, n_steps=100, step_time_s=1.0, checkpoint_cost_s=0.5, recovery_s=5.0,
+      ...          mtbf_s=1e9, persist_cost_s=1.0, machine_mtbf_s=1e9, machine_recovery_s=60.0,
+      ...          trials=10).wall_overhead_s
+      3.0
     """
-    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s)
+    job = two_level_job(
+        save_steps, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
+        recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
+    )  # fmt: skip
+    # A two-level job's MTBFs may be inf (a class that never fails): checked by two_level_job.
+    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
     for name, val in (
         ("weibull_shape", weibull_shape),
         ("trials", trials),
@@ -72,15 +98,21 @@ def simulate(
         if not (np.isfinite(val) and val > 0):
             raise ValueError(f"{name} must be a positive number, got {val}.")
     n_steps, trials = int(n_steps), int(trials)
-    steps = _save_steps(save_steps, n_steps)
     w = _weights(weights, n_steps)
+    cap_s = max_overhead_factor * n_steps * step_time_s
+    if job is not None:
+        return simulate_two_level(
+            save_steps, n_steps=n_steps, step_time_s=step_time_s, job=job,
+            weibull_shape=weibull_shape, w=w, trials=trials, seed=seed, cap_s=cap_s,
+        )  # fmt: skip
+    steps = _save_steps(save_steps, n_steps)
     rng = np.random.default_rng(seed)
     scale = mtbf_s / math.gamma(1.0 + 1.0 / weibull_shape)
 
     def draw(k: int) -> np.ndarray:
         return scale * rng.weibull(weibull_shape, size=k)
 
-    t = _Trials(trials, draw(trials), max_overhead_factor * n_steps * step_time_s)
+    t = _Trials(trials, draw(trials), cap_s)
     _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw)
     return t.result(steps.size)
 
@@ -216,52 +248,3 @@ def _walk(t, steps, n_steps, step_time_s, checkpoint_cost_s, recovery_s, w, draw
             t.fails[hit] += 1
             t.recover(hit, recovery_s, draw)
             active = hit[t.alive[hit]]
-
-
-class _Trials:
-    """Per-trial accumulators of :func:`simulate`, and the abandonment rule."""
-
-    def __init__(self, trials: int, t_next: np.ndarray, cap_s: float):
-        self.t_next = t_next  # time until the next failure
-        self.stall, self.lost, self.lost_w, self.recov, self.fails = np.zeros((5, trials))
-        self.alive = np.ones(trials, bool)  # not abandoned
-        self.cap_s = cap_s
-
-    def recover(self, hit: np.ndarray, recovery_s: float, draw) -> None:
-        """Recovers the trials ``hit`` (a recovery restarts on any failure inside it)."""
-        nxt = draw(hit.size)
-        pending = np.arange(hit.size)
-        while pending.size:
-            short = nxt[pending] < recovery_s
-            sp = pending[short]
-            if sp.size == 0:
-                break
-            self.recov[hit[sp]] += nxt[sp]
-            self.fails[hit[sp]] += 1
-            nxt[sp] = draw(sp.size)
-            # A recovery longer than the MTBF may never complete: stop at the cap.
-            sp = sp[self.stall[hit[sp]] + self.lost[hit[sp]] + self.recov[hit[sp]] < self.cap_s]
-            pending = sp
-        self.recov[hit] += recovery_s
-        self.t_next[hit] = nxt - recovery_s
-        over = self.stall[hit] + self.lost[hit] + self.recov[hit] >= self.cap_s
-        self.alive[hit[over]] = False
-
-    def result(self, n_saves: int) -> SimResult:
-        """The means over trials."""
-        wall = self.stall + self.lost + self.recov
-        weighted = self.stall + self.lost_w + self.recov
-        n = wall.size
-        se = lambda a: float(a.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
-        return SimResult(
-            wall_overhead_s=float(wall.mean()),
-            weighted_overhead_s=float(weighted.mean()),
-            wall_overhead_se=se(wall),
-            weighted_overhead_se=se(weighted),
-            failures=float(self.fails.mean()),
-            stall_s=float(self.stall.mean()),
-            recompute_s=float(self.lost.mean()),
-            recovery_s=float(self.recov.mean()),
-            n_saves=int(n_saves),
-            finished=float(self.alive.mean()),
-        )

@@ -15,7 +15,7 @@ import cocijax as cj
 from cocijax.cli import _commands, _plan, _units, main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-POLICY_NAMES = tuple(cj.policies.by_name.__globals__["CONSTRUCTORS"])
+POLICY_NAMES = cj.policies.names(levels=1)  # what `cocijax plan --policy all` runs
 CURVE = DATA / "wrn-40-4_cifar10_loss.csv"
 PLAN_ARGS = ["--mtbf", "4h", "--ckpt-cost", "20s", "--step-time", "90s", "--recovery", "2m"]
 
