@@ -11,9 +11,9 @@ it plans anew at its next step), so that it does not save again right after.
 
 The classic rule, :func:`young_two_level`, is Young's interval at each level. The other
 candidate, the first-order optimal pattern of Benoit et al. (``k`` equal level-1 intervals, then
-a level-2 save, ``k = sqrt((C2 - C1) M2 / (C1 M1))``), was as good or worse on the two-level
-benchmark (median +0.0% on the shared curves, +0.5 to +0.9% on the others as a policy; see
-BENCHMARKS.md).
+a level-2 save, ``k = sqrt((C2 - C1) M2 / (C1 M1))``), did as well or worse on the two-level
+benchmark: median weighted overhead +0.0% on the shared curves, +0.5 to +0.9% on the others
+(BENCHMARKS.md).
 
 References:
   Di, Bouguerra, Bautista-Gomez, Cappello, `Optimization of multi-level checkpoint model
