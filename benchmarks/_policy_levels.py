@@ -234,7 +234,7 @@ def report(data, console, args, machine: str) -> None:
         for k, v in SCENARIOS.items()
     )
     lines = [
-        "## Policy benchmark, two levels (`benchmarks/policy_bench.py --two-level`)",
+        "## Two-level policy benchmark (`benchmarks/policy_bench.py`)",
         "",
         f"Machine: {machine} (a VM whose 2 cores other jobs shared during the run).",
         f"Command: `python benchmarks/policy_bench.py --two-level --write` ({elapsed:.0f} s).",
