@@ -14,7 +14,11 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".jax-cache"))
+# In the user's cache, as pip keeps its downloads: a later run (a new clone too) reuses it.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cocijax-tests/jax"),
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**31))
