@@ -9,7 +9,7 @@ import numpy as np
 
 from cocijax.sim._levels import Schedule, expected_two_level, two_level_job
 from cocijax.sim._levels_dp import optimal_two_level
-from cocijax.sim._model import _check_job, _save_steps, _segments, _weights
+from cocijax.sim._model import _save_steps, _segments, _weights
 
 
 class Expected(NamedTuple):
@@ -94,11 +94,10 @@ def expected_overhead(
       3.0
     """
     job = two_level_job(
-        save_steps, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        save_steps, n_steps, step_time_s, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
         checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
         recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
     )  # fmt: skip
-    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
     if job is not None:
         return Expected(
             *expected_two_level(
@@ -193,11 +192,10 @@ def optimal_schedule(
         raise ValueError(f"weights must be a non-empty 1-D array, got shape {w.shape}.")
     n = w.size
     job = two_level_job(
-        None, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        None, n, step_time_s, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
         checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
         recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
     )  # fmt: skip
-    _check_job(n, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
     w = _weights(w, n)
     if job is not None:
         return optimal_two_level(w, step_time_s=step_time_s, job=job)

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cocijax.sim._model import _weights
+from cocijax.sim._model import _check_job, _weights
 
 
 class Schedule(NamedTuple):
@@ -100,21 +100,29 @@ def em1(lam, x):
         return np.expm1(lam * np.asarray(x, np.float64)) / lam
 
 
-def two_level_job(save_steps, **kwargs) -> TwoLevel | None:
-    """The checked two-level job of a scorer's arguments; None for a one-level job.
+def two_level_job(save_steps, n_steps, step_time_s, **kwargs) -> TwoLevel | None:
+    """The checked job of a scorer's arguments: its two levels, or None for a one-level job.
+
+    Every argument is checked (``kwargs`` are the scorers' cost, MTBF and recovery keywords);
+    a two-level job's MTBFs may be ``inf`` (a class that never fails).
 
     Raises:
       ValueError: naming a missing or bad argument, or a :class:`Schedule` given to a
         one-level job.
     """
-    if all(kwargs[k] is None for k in ("persist_cost_s", "machine_mtbf_s", "machine_recovery_s")):
-        if isinstance(save_steps, Schedule):
-            raise ValueError(
-                "save_steps is a two-level Schedule but the job is one-level: give "
-                "machine_mtbf_s, persist_cost_s and machine_recovery_s, or plain steps."
-            )
-        return None
-    return check_two_level(**kwargs)
+    job = None
+    if any(
+        kwargs[k] is not None for k in ("persist_cost_s", "machine_mtbf_s", "machine_recovery_s")
+    ):
+        job = check_two_level(**kwargs)
+    elif isinstance(save_steps, Schedule):
+        raise ValueError(
+            "save_steps is a two-level Schedule but the job is one-level: give "
+            "machine_mtbf_s, persist_cost_s and machine_recovery_s, or plain steps."
+        )
+    mtbf_s = kwargs["mtbf_s"] if job is None else 1.0  # a two-level job's: checked above
+    _check_job(n_steps, step_time_s, kwargs["checkpoint_cost_s"], kwargs["recovery_s"], mtbf_s)
+    return job
 
 
 def check_two_level(

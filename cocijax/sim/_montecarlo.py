@@ -84,12 +84,10 @@ def simulate(
       3.0
     """
     job = two_level_job(
-        save_steps, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
+        save_steps, n_steps, step_time_s, mtbf_s=mtbf_s, machine_mtbf_s=machine_mtbf_s,
         checkpoint_cost_s=checkpoint_cost_s, persist_cost_s=persist_cost_s,
         recovery_s=recovery_s, machine_recovery_s=machine_recovery_s,
     )  # fmt: skip
-    # A two-level job's MTBFs may be inf (a class that never fails): checked by two_level_job.
-    _check_job(n_steps, step_time_s, checkpoint_cost_s, recovery_s, mtbf_s if job is None else 1.0)
     for name, val in (
         ("weibull_shape", weibull_shape),
         ("trials", trials),
