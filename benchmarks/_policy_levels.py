@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 from _policy_cases import JOB_S, TIME_WEIGHT
+from _policy_targets import print_targets
 
 import cocijax as cj
 
@@ -216,13 +217,7 @@ def report(data, console, args, machine: str) -> None:
     for r in rows:
         table.add_row(*cells(r))
     console.print(table)
-    for title, s in summaries.items():
-        t = Table(title=f"targets: {title} ({s['cases']} cases)")
-        for col in ("target", "measured", "status"):
-            t.add_column(col)
-        for row in targets(s):
-            t.add_row(*row)
-        console.print(t)
+    print_targets(console, summaries, targets)
     console.print(f"cases ran in {elapsed:.0f} s")
     if not args.write:
         return

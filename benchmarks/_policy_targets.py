@@ -81,3 +81,18 @@ def targets(s: dict) -> list[tuple[str, str, str]]:
              "reference"),
         ]  # fmt: skip
     return rows
+
+
+def print_targets(console, summaries: dict, targets) -> None:
+    """Prints one rich table of ``targets(summary)`` rows per non-empty summary."""
+    from rich.table import Table
+
+    for title, s in summaries.items():
+        if not s:
+            continue
+        t = Table(title=f"targets: {title} ({s['cases']} cases)")
+        for col in ("target", "measured", "status"):
+            t.add_column(col)
+        for row in targets(s):
+            t.add_row(*row)
+        console.print(t)

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _policy_cases import SCENARIOS, TIME_WEIGHT, run_case
-from _policy_targets import summarise, targets
+from _policy_targets import print_targets, summarise, targets
 from _report import cpu_and_ram, write_section
 from rich.console import Console
 from rich.table import Table
@@ -247,15 +247,7 @@ def main() -> None:
         ),
     }
     summaries = {k: summarise(rows, *v) for k, v in groups.items()}
-    for title, s in summaries.items():
-        if not s:
-            continue
-        t = Table(title=f"targets: {title} ({s['cases']} cases)")
-        for col in ("target", "measured", "status"):
-            t.add_column(col)
-        for row in targets(s):
-            t.add_row(*row)
-        console.print(t)
+    print_targets(console, summaries, targets)
     console.print(f"cases ran in {elapsed:.0f} s; {speed}")
     if not args.write:
         return
