@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cocijax as cj
@@ -316,9 +316,13 @@ def test_replays_of_poisson_failures_average_to_the_exact_expectation():
 
 
 @settings(max_examples=200, deadline=None)
+@example(steps=[1, 34], gaps=[1.9375, 1.5, 40.0], weights=[0.0] * 60)
 @given(
     steps=st.lists(st.integers(1, 60), max_size=8),
-    gaps=st.lists(st.floats(0.1, 40.0), max_size=6),
+    # Gaps in sixteenths of a second: every time on both paths is then exact in floating point,
+    # so a failure that falls exactly at the end of a stall is the same tie for both (with any
+    # float, the replay's cumulative sums and the walk's own sums round differently there).
+    gaps=st.lists(st.integers(2, 640).map(lambda k: k / 16), max_size=6),
     weights=st.lists(st.floats(0.0, 4.0), min_size=60, max_size=60),
 )
 def test_replay_with_instant_commits_is_the_simulators_walk(steps, gaps, weights):
