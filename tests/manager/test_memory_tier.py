@@ -25,9 +25,9 @@ import pytest
 
 import cocijax as cj
 from cocijax.core._contract import DirectoryLockedError
-from cocijax.manager._memory_tier import _find_tmpfs, mount_of
+from cocijax.core._memory import find_tmpfs, mount_of
 
-TMPFS = _find_tmpfs()
+TMPFS = find_tmpfs()
 pytestmark = pytest.mark.skipif(TMPFS is None, reason="no shared-memory tmpfs on this machine")
 
 
