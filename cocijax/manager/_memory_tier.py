@@ -14,6 +14,9 @@ one being written, and a save that fails (the tmpfs full) or is killed leaves it
 
 A save that is not persisted (a two-level policy's level 1) goes to this tier only; a persisted
 save goes here and to the disk (and from there to the durable tier, ``_tiers``).
+
+The rules both managers share (the ``memory`` arguments, the folder's lock and owner, the
+budget, the slot rule) are :mod:`cocijax.core._memory`'s; this module keeps Orbax's side.
 """
 
 from __future__ import annotations
