@@ -10,6 +10,8 @@ what a manager *decides* lives here, once:
   prior, the loss read late) and the policy state's JSON format (``_policy_state``);
 * the job's run history (``_history``: failures, uptime, learned MTBF and recovery time);
 * the writer's lock (``_lock``);
+* the checkpoint directory's identity (``_identity``), and the memory tier's rules: its
+  arguments, its folder's lock and owner, its budget and two slots (``_memory``);
 * preemption signals turned into one save per manager, and the job's end (``_preemption``);
 * retention: best-N that keeps the newest steps (``_retention``);
 * the close order (``_session``).

@@ -8,13 +8,13 @@ re-pointed, two containers mounting different volumes at one mount point) and on
 have several of (a symlink, ``x/../run``): one collected the other's data, or neither collected
 its own.
 
-Now a directory's identity is written into it once (``.cocijax-id``, a random id), so every
-spelling of the directory reads the same id and no two directories share one. Each namespace
-folder keeps an owner record (``.cocijax-owner``) with the id and an *epoch* the directory
-bumps at every opening: a copy of the directory (``cp -r``, a volume snapshot) that is opened
-after its original moved on finds an owner record newer than its own epoch, and takes a new
-identity instead of collecting stripes the original still needs. A directory written before
-identities existed keeps the namespace its steps' manifests name.
+Now a directory's identity is written into it once (``.cocijax-id``, a random id, see
+:mod:`cocijax.core._identity`), so every spelling of the directory reads the same id and no two
+directories share one. Each namespace folder keeps an owner record (``.cocijax-owner``) with the
+id and an *epoch* the directory bumps at every opening: a copy of the directory (``cp -r``, a
+volume snapshot) that is opened after its original moved on finds an owner record newer than its
+own epoch, and takes a new identity instead of collecting stripes the original still needs. A
+directory written before identities existed keeps the namespace its steps' manifests name.
 
 Also here: the checks that the directory, its roots and its durable tier do not overlap in a
 way that would lose data (a durable tier inside the directory deletes its steps as leftovers).
@@ -22,74 +22,24 @@ way that would lose data (a durable tier inside the directory deletes its steps 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import re
 import socket
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cocijax import _files, storage
+from cocijax.core._identity import Identity, bump_identity, new_id, read_identity
 
-__all__ = [
-    "ID_FILE",
-    "OWNER_FILE",
-    "Identity",
-    "check_directory",
-    "check_locations",
-    "open_identity",
-    "read_identity",
-]
+__all__ = ["OWNER_FILE", "check_directory", "check_locations", "open_identity"]
 
 log = logging.getLogger(__name__)
 
-ID_FILE = ".cocijax-id"
 OWNER_FILE = ".cocijax-owner"
 _NAMESPACE = re.compile(r"^\.cocijax-([0-9a-f]{16})$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    """A checkpoint directory's identity.
-
-    Attributes:
-      id: hex digits, written once into the directory.
-      epoch: how many times a writer opened the directory (bumped at each opening).
-    """
-
-    id: str
-    epoch: int
-
-    @property
-    def namespace(self) -> str:
-        """The name of the directory's folder on each external root."""
-        return f".cocijax-{self.id[:16]}"
-
-
-def read_identity(directory: Path) -> Identity | None:
-    """The identity recorded in ``directory``, or None when it has none.
-
-    Raises:
-      ValueError: the file exists but is not an identity record (names it).
-    """
-    path = directory / ID_FILE
-    try:
-        data = json.loads(path.read_bytes())
-        identity = Identity(str(data["id"]), int(data["epoch"]))
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{path}: not a cocijax identity record ({e!r}); it names the folder of this "
-            "directory's stripes on its roots. If the directory has no steps, delete the file."
-        ) from None
-    if not re.fullmatch(r"[0-9a-f]{16,32}", identity.id) or identity.epoch < 0:
-        raise ValueError(f"{path}: not a cocijax identity record (id {identity.id!r}).")
-    return identity
 
 
 def open_identity(directory: Path, roots: Sequence[Path | storage.KvPath]) -> Identity:
@@ -108,7 +58,7 @@ def open_identity(directory: Path, roots: Sequence[Path | storage.KvPath]) -> Id
     Returns:
       The identity, its epoch bumped and written durably into the directory and every root.
     """
-    identity = read_identity(directory) or Identity(_legacy_id(directory) or _new_id(), 0)
+    identity = read_identity(directory) or Identity(_legacy_id(directory) or new_id(), 0)
     owners = [(root, _read_owner(root / identity.namespace)) for root in roots]
     newer = [(root, owner) for root, owner in owners if owner and owner["epoch"] > identity.epoch]
     if newer:
@@ -125,15 +75,13 @@ def open_identity(directory: Path, roots: Sequence[Path | storage.KvPath]) -> Id
             identity.epoch,
             root,
         )
-        identity = Identity(_new_id(), 0)
-    identity = dataclasses.replace(identity, epoch=identity.epoch + 1)
+        identity = Identity(new_id(), 0)
     # The directory first: a crash before the roots are written leaves their records older,
     # never newer, than the directory's (a newer one would look like a copy).
-    record = {"id": identity.id, "epoch": identity.epoch}
-    _files.replace_bytes(directory / ID_FILE, json.dumps(record).encode(), fsync=True)
-    _files.fsync_dir(directory)
+    identity = bump_identity(directory, identity)
     owner = {
-        **record,
+        "id": identity.id,
+        "epoch": identity.epoch,
         "directory": str(directory),
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -141,10 +89,6 @@ def open_identity(directory: Path, roots: Sequence[Path | storage.KvPath]) -> Id
     for root in roots:
         _write_owner(root / identity.namespace, owner)
     return identity
-
-
-def _new_id() -> str:
-    return uuid.uuid4().hex
 
 
 def _legacy_id(directory: Path) -> str | None:

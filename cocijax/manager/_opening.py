@@ -25,7 +25,9 @@ from cocijax import storage
 from cocijax._files import make_dirs
 from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory
+from cocijax.core._identity import read_identity
 from cocijax.core._lock import DirectoryLock
+from cocijax.core._memory import MemoryOptions, check_memory
 from cocijax.core._preemption import PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
@@ -44,9 +46,8 @@ from cocijax.manager._identity import (
     check_directory,
     check_locations,
     open_identity,
-    read_identity,
 )
-from cocijax.manager._memory_tier import MemoryOptions, MemoryTier, check_memory
+from cocijax.manager._memory_tier import MemoryTier
 from cocijax.manager._orbax_steps import OrbaxStep
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._restoring import load_policy
@@ -179,7 +180,7 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
-    memory_options = check_memory(memory, memory_bytes, path)
+    memory_options = check_memory(memory, memory_bytes, path, processes=jax.process_count())
     primary = jax.process_index() == (orbax_options.multiprocessing_options.primary_host or 0)
     tier = open_durable(
         durable,

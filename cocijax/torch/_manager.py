@@ -15,6 +15,10 @@ Retention and preemption are the JAX manager's, from the same modules: best-N by
 (``cocijax.core._retention``, rank 0 deciding from the metrics in each step's
 ``cocijax.json``) and preemption signals turned into one save (``cocijax.core._preemption``,
 the ranks' flags gathered on the ``control`` group so that all save the same step).
+
+The memory tier (``memory=``) is the JAX manager's too, its rules from ``cocijax.core._memory``
+and its files in this manager's format (``_memory``): a level-1 save lands in memory only, a
+persisted one in memory and then on the disk; ``restore`` reads memory first.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from cocijax.core._contract import (
 )
 from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory, failed_exit, process_age_s
+from cocijax.core._identity import bump_identity
 from cocijax.core._lock import DirectoryLock
+from cocijax.core._memory import MemoryOptions, check_memory
 from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
@@ -51,6 +57,7 @@ from cocijax.torch._directory import (
     remove_uncommitted,
     scan_steps,
 )
+from cocijax.torch._memory import MemoryTier
 from cocijax.torch._ranks import Ranks
 from cocijax.torch._state import (
     RESERVED,
@@ -128,15 +135,30 @@ class CheckpointManager:
       use_async: write in the background with ``dcp.async_save`` (default); ``False`` writes
         and commits inside ``save``.
       prior_mtbf_s: the MTBF the learned estimate starts from (as for the JAX manager).
+      memory: a memory tier: a folder on a tmpfs, or True for one under the machine's
+        shared-memory tmpfs (as for the JAX manager; one rank only). Every save lands there
+        first, in this manager's format (it survives the process's death, not the
+        machine's); a two-level policy's level-1 saves go there only, every other save (a
+        one-level policy's, ``force``, the final step, a preemption save) also to
+        ``directory``, copied from memory in the background. Two slots: the newest committed
+        memory step is never overwritten. One folder per directory (its identity,
+        ``.cocijax-id``). ``restore`` reads memory first (a damaged copy is skipped, warned);
+        see :attr:`restored_tier`.
+      memory_bytes: the memory tier's budget (default: two states, at most the tmpfs's free
+        space), checked at the first save: a state that does not fit is a ``ValueError``
+        naming the sizes; with ``memory=True`` the manager warns and saves to the disk only.
       clock: a monotonic clock in seconds; injectable so tests can replay step times.
 
     Raises:
       ValueError: when ``max_to_keep`` < 1, ``best_mode``/``keep_latest``/
-        ``preemption_signals`` are out of range, or ``directory`` holds checkpoints that were
-        not written by ``cocijax.torch``.
-      TypeError: when ``policy`` is not a policy, ``best_fn`` is not callable, or
-        ``preemption_signals`` is not a sequence of signals.
-      DirectoryLockedError: another manager has the directory open for writing.
+        ``preemption_signals``/``memory_bytes`` are out of range, ``directory`` holds
+        checkpoints that were not written by ``cocijax.torch``, ``memory`` overlaps
+        ``directory`` or belongs to a copy of it, or ``memory`` is given to several ranks.
+      TypeError: when ``policy`` is not a policy, ``best_fn`` is not callable,
+        ``preemption_signals`` is not a sequence of signals, or ``memory``/``memory_bytes``
+        have the wrong type.
+      DirectoryLockedError: another manager has the directory (or its memory folder) open
+        for writing.
 
     Examples:
       >>> import tempfile, torch, cocijax as cj, cocijax.torch as cjt
@@ -170,6 +192,8 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         use_async: bool = True,
         prior_mtbf_s: float | None = None,
+        memory: bool | str | os.PathLike[str] | None = None,
+        memory_bytes: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         age = process_age_s()
@@ -187,15 +211,30 @@ class CheckpointManager:
         self._dir = Path(directory)
         self._ranks = Ranks()
         self._dir_lock = DirectoryLock(self._dir)
+        self._memory: MemoryTier | None = None
         try:
-            opened = self._ranks.lead(self._open_directory, group=self._ranks.control)
+            options = check_memory(
+                memory, memory_bytes, self._dir.absolute(), processes=self._ranks.world,
+                unit="rank", stacklevel=3,
+            )  # fmt: skip
+            opened = self._ranks.lead(
+                lambda: self._open_directory(options), group=self._ranks.control
+            )
         except BaseException:
-            self._dir_lock.release()
-            self._ranks.close()
+            run_all(
+                self._memory.close if self._memory is not None else (lambda: None),
+                self._dir_lock.release,
+                self._ranks.close,
+            )
             raise
         self._steps, self._session, latest = opened
+        self._restored: tuple[int, str] | None = None
         self._history = RunHistory(
-            self._dir, clock=clock, writer=self._ranks.leader, opened_at_age_s=age
+            self._dir,
+            clock=clock,
+            writer=self._ranks.leader,
+            opened_at_age_s=age,
+            memory_marker=None if self._memory is None else self._memory.marker,
         )
         self._driver = make_driver(history=self._history, broadcast=self._ranks.broadcast)
         self._retention = Retention(best, max_to_keep)
@@ -209,7 +248,9 @@ class CheckpointManager:
         if latest is None and self._ranks.leader:
             log.info("no checkpoint in %s: starting at step 1", self._dir)
         if latest is not None:
-            _restoring.load_policy_state(self, latest, self._steps[-1], history=True)
+            newest = self.latest_step()
+            path = self._step_dir(newest)
+            _restoring.load_policy_state(self, latest, path, history=True)
         # A signal to any rank counts: a scheduler may notify one node, and torchrun forwards
         # a signal to its ranks one after the other (rank 0's broadcast would miss the others).
         watcher = PreemptionWatcher(
@@ -221,14 +262,19 @@ class CheckpointManager:
         watcher.install(on_end=self.close)
         self._preemption = Preemption(watcher, owner=str(self._dir))
 
-    def _open_directory(self) -> tuple[list[int], str, dict | None]:
-        """Rank 0: locks the directory, removes leftovers, lists the steps."""
+    def _open_directory(self, memory: MemoryOptions | None) -> tuple[list[int], str, dict | None]:
+        """Rank 0: locks the directory, removes leftovers, opens the memory tier, lists the
+        steps; returns the disk's steps, the session and the newest step's metadata."""
         self._dir.mkdir(parents=True, exist_ok=True)
         # Before anything is cleaned up: a second writer would remove the first's save in flight.
         self._dir_lock.acquire()
         remove_uncommitted(self._dir)
         steps = scan_steps(self._dir)
-        latest = read_metadata(self._dir, steps[-1]) if steps else None
+        if memory is not None:  # one rank: this is the only process
+            namespace = bump_identity(self._dir).namespace
+            self._memory = MemoryTier(memory, namespace, directory=self._dir.absolute())
+        newest = max([*steps, *self.memory_steps()], default=None)
+        latest = None if newest is None else read_metadata(self._step_dir(newest).parent, newest)
         # Names this run's temporary directories, the same on every rank.
         return steps, uuid.uuid4().hex[:12], latest
 
@@ -260,15 +306,36 @@ class CheckpointManager:
         """A preemption signal arrived and its step has been saved and committed: stop now."""
         return self._preemption.reached
 
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` loaded (None before one)."""
+        return None if self._restored is None else self._restored[0]
+
+    @property
+    def restored_tier(self) -> str | None:
+        """Which tier served the last :meth:`restore`: ``"memory"`` or ``"local"`` (the
+        directory), or None before one."""
+        return None if self._restored is None else self._restored[1]
+
     def all_steps(self) -> list[int]:
-        """Saved steps, oldest first, including one still being written."""
+        """Saved steps of every tier, oldest first, including one still being written."""
         with self._lock:
-            return list(self._steps)
+            return sorted(set(self._steps).union(self.memory_steps()))
 
     def latest_step(self) -> int | None:
         """The newest saved step (possibly still being written), or ``None``."""
-        with self._lock:
-            return self._steps[-1] if self._steps else None
+        return max(self.all_steps(), default=None)
+
+    def memory_steps(self) -> list[int]:
+        """Steps in the memory tier, oldest first (``[]`` without one), one being written
+        included."""
+        return [] if self._memory is None else sorted(self._memory.steps)
+
+    def _step_dir(self, step: int) -> Path:
+        """Where ``step`` is read from: its memory copy if it has one, else the directory's."""
+        if step in self.memory_steps():
+            return self._memory.path / str(step)
+        return self._dir / str(step)
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The ``metrics`` saved with ``step`` (rank 0's), or ``None`` without; waits for a save
@@ -282,7 +349,7 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self._dir}; have {self.all_steps()}"
             )
-        return read_metadata(self._dir, step).get("metrics")
+        return read_metadata(self._step_dir(step).parent, step).get("metrics")
 
     # -------------------------------------------------------------------------------- save
     def save(
@@ -335,11 +402,12 @@ class CheckpointManager:
         loss = as_float(loss)
         if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
             self._driver.state_size(tree_nbytes(state))
-        saved = self._driver.decide(step, loss=loss) or force
+        level = max(self._driver.decide_level(step, loss=loss), 2 * force)
         preempted = self._preemption.due(step, self._driver.step_time_s)
-        if not (saved or preempted):
+        if not (level or preempted):
             return False
-        _saving.save_step(self, step, state, loss, extra, metrics)
+        level = 2 if preempted else level
+        _saving.save_step(self, step, state, loss, extra, metrics, level)
         if preempted:
             self._preemption.taken(step, self.wait_until_finished)
         return True
@@ -362,6 +430,10 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
     ) -> Any:
         """Loads a checkpoint into ``target`` in place, with the RNG and policy states.
+
+        With a memory tier, a step's memory copy is read first: one that does not check out
+        (torn, a file that fails its checksum) is skipped with a warning (and deleted) for the
+        next copy, the older memory slot then the directory's (see :attr:`restored_tier`).
 
         Args:
           step: the step to restore; defaults to the latest.
@@ -402,6 +474,7 @@ class CheckpointManager:
             lambda: self._executor.shutdown(wait=True),
             self._preemption.watcher.uninstall,
             self._history.close,
+            self._memory.close if self._memory is not None else (lambda: None),
             self._dir_lock.release,
             self._ranks.close,
         )
@@ -412,10 +485,11 @@ class CheckpointManager:
     def __del__(self):
         # A manager dropped without close() must not keep the directory locked; at interpreter
         # exit the modules used here may already be gone, hence the broad guard.
-        try:  # noqa: SIM105
-            self._dir_lock.release()
-        except Exception:
-            pass
+        for release in (lambda: self._memory.close(), lambda: self._dir_lock.release()):
+            try:  # noqa: SIM105
+                release()
+            except Exception:  # no memory tier (None), or opened no further
+                pass
 
     def __exit__(self, *exc: Any) -> None:
         if failed_exit(exc[1], preempted=self._preemption.reached):

@@ -1,12 +1,18 @@
 """How ``cocijax.torch.CheckpointManager`` restores a step: DCP's load, RNG states, the policy.
 
 These functions are the manager's own, kept apart for size: they take the manager first.
+
+With a memory tier, a step's memory copy is tried first, checked against its files' checksums
+before DCP loads anything into the target: a copy that does not check out is skipped with a
+warning for the next one (the older memory slot, then the directory's copy) and deleted.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
@@ -15,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from cocijax._digest import DIGEST_KEY, check_digest
 from cocijax.core._session import restore_order
 from cocijax.torch._directory import METADATA_NAME, read_metadata
+from cocijax.torch._memory import verify
 from cocijax.torch._state import (
     RESERVED,
     check_extra,
@@ -31,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_restorable", "dcp_message", "load_policy_state", "restore"]
 
+log = logging.getLogger(__name__)
+
 
 def restore(
     mngr: CheckpointManager,
@@ -45,12 +54,9 @@ def restore(
             "{'model': model, 'optimizer': optimizer}"
         )
     objects = check_extra(extra)
-    ((step, _),) = restore_order(
-        step, {"local": mngr.all_steps()}, fallback=False, where=str(mngr._dir)
-    )
-    path = mngr._dir / str(step)
+    step, tier, meta = _first_intact(mngr, step)
+    path = (mngr._dir if tier == "local" else mngr._memory.path) / str(step)
     control = mngr._ranks.control
-    meta = mngr._ranks.lead(lambda: read_metadata(mngr._dir, step), group=control)
     same_ranks = check_restorable(mngr, meta, step, objects)
     state_dict = to_state_dict(target)
     state_dict[RESERVED] = rank_template(meta["format"], mngr.rank, objects, rng=same_ranks)
@@ -64,10 +70,52 @@ def restore(
         set_rng_state(rng)
     if objects:
         load_extra(state_dict[RESERVED], mngr.rank, objects, step)
-    load_policy_state(mngr, meta, step)
+    load_policy_state(mngr, meta, path)
     mngr._driver.restart_timing()
     mngr._history.restored()
+    mngr._restored = (step, tier)
+    log.info("restore: step %d restored from the %s tier", step, tier)
     return out if extra is None else (out, extra)
+
+
+def _first_intact(mngr: CheckpointManager, step: int | None) -> tuple[int, str, dict]:
+    """The copy to restore: ``(step, "memory" | "local", its metadata)``.
+
+    The memory copies of ``step`` (default: the newest step, then the older memory slot) come
+    first, then the directory's copy; a memory copy whose metadata or files do not check out
+    is skipped with a warning and deleted (it is newer than the step restored: left listed,
+    the next save would have to come after it).
+    """
+    memory = mngr.memory_steps()
+    tiers = {"memory": memory, "local": list(mngr._steps)}
+    where = str(mngr._dir) + (f" or {mngr._memory.path}" if memory else "")
+    copies = restore_order(step, tiers, fallback=bool(memory), where=where)
+    if step is not None:
+        copies = [c for c in copies if c[0] == copies[0][0]]
+    disk = [i for i, (_, tier) in enumerate(copies) if tier == "local"]
+    copies = copies[: disk[0] + 1] if disk else copies
+    for s, tier in copies:
+        folder = mngr._dir if tier == "local" else mngr._memory.path
+        try:
+            meta = mngr._ranks.lead(
+                lambda: read_metadata(folder, s),  # noqa: B023 (called at once)
+                group=mngr._ranks.control,
+            )
+            if tier == "memory":  # one rank: the memory tier's files are all here
+                verify(folder / str(s), meta.get("checksums", {}))
+        except (OSError, ValueError) as e:
+            if tier == "local" or (s, tier) == copies[-1]:
+                raise
+            warnings.warn(
+                f"restore: skipping damaged step {s} (memory copy): {e}",
+                RuntimeWarning,
+                stacklevel=4,  # the user's restore call
+            )
+            with mngr._lock:
+                mngr._memory.delete(s)
+            continue
+        return s, tier, meta
+    raise AssertionError("unreachable: the last copy returns or raises")
 
 
 def check_restorable(
@@ -100,11 +148,12 @@ def check_restorable(
 
 
 def load_policy_state(
-    mngr: CheckpointManager, meta: dict, step: int, *, history: bool = False
+    mngr: CheckpointManager, meta: dict, step_dir: Path, *, history: bool = False
 ) -> None:
-    """Adopts the policy state (and, when asked, the job history) saved with ``step``."""
+    """Adopts the policy state (and, when asked, the job history) saved with the step in
+    ``step_dir``."""
     # A different policy than at save time cannot continue its schedule: said once.
-    where = str(mngr._dir / str(step) / METADATA_NAME)
+    where = str(step_dir / METADATA_NAME)
     policy = meta.get("policy")
     if isinstance(policy, dict):  # its digest checked, then dropped (older ones had none)
         if not check_digest(policy):

@@ -11,10 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -22,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from killed_child import run_until_killed
 
 import cocijax as cj
 from cocijax.core._contract import DirectoryLockedError
-from cocijax.manager._memory_tier import _find_tmpfs, mount_of
+from cocijax.core._memory import find_tmpfs, mount_of
 
-TMPFS = _find_tmpfs()
+TMPFS = find_tmpfs()
 pytestmark = pytest.mark.skipif(TMPFS is None, reason="no shared-memory tmpfs on this machine")
 
 
@@ -282,52 +280,10 @@ def test_memory_true_falls_back_to_the_disk_when_the_state_does_not_fit(tmp_path
 
 # -- kills and reboots, with real processes -------------------------------------------------
 
-_CHILD = textwrap.dedent(
-    """
-    import sys
-    import numpy as np
-    import jax, jax.numpy as jnp
-    import cocijax as cj
-
-    directory, memory, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-
-    def update(state, *, step, **_):
-        return jnp.where(step % 4 == 0, 2, 1), state
-
-    init = lambda: {"n": jnp.zeros((), jnp.int32)}  # the state of the tests' alternating()
-    policy = cj.policies.Policy(init, jax.jit(update), levels=2)
-    mngr = cj.CheckpointManager(directory, policy=policy, memory=memory)
-    step = mngr.latest_step() or 0
-    if step:
-        mngr.restore()
-        print("restored", step, mngr.restored_tier, flush=True)
-    while True:
-        step += 1
-        mngr.save(step, {"w": np.full(size, step, np.float32)}, loss=1.0)
-        print("step", step, flush=True)
-    """
-)
-
 
 def _run_until(directory, memory, size, lines):
-    """Starts the child, reads ``lines`` lines of its output, kills it (SIGKILL)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(directory), str(memory), str(size)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    out = []
-    try:
-        deadline = time.monotonic() + 120
-        while len(out) < lines and time.monotonic() < deadline:
-            out.append(child.stdout.readline().strip())
-        assert len(out) == lines, out
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-        child.stdout.close()
-    return out
+    """Starts the child job, reads ``lines`` lines of its output, kills it (SIGKILL)."""
+    return run_until_killed("jax", directory, memory, size, lines)
 
 
 def _check_every_listed_step(directory, memory, size):
