@@ -474,7 +474,8 @@ class CheckpointManager:
             Orbax's close; ``None`` (default): as long as they take. With several processes a
             save commits once every process has written its part: after another process died,
             Orbax waits for it until JAX's heartbeat timeout aborts this process. With a
-            bound, the save is abandoned instead (not committed) and the rest of close runs.
+            bound, close gives up on the save then (not committed by then; the garbage
+            collection and Orbax's close are skipped) and the rest of close runs.
 
         Raises:
           TimeoutError: ``timeout_s`` ran out (names the step abandoned).

@@ -282,7 +282,7 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
     """:meth:`cocijax.CheckpointManager.close`: each part runs whatever the others raise.
 
     With ``timeout_s``, the waits on Orbax (the running save, the removals, Orbax's close) end
-    by then: a save still uncommitted is abandoned, with a ``TimeoutError`` naming it.
+    by then: what has not run by then is abandoned, with a ``TimeoutError`` naming the save.
     """
 
     def finish() -> None:
@@ -300,9 +300,11 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
     step = mngr._latest_saved if mngr._save_started else None
     run_all(
         lambda: _within(
-            lambda: run_all(finish, lambda: wait_for_removals(mngr), close_orbax),
-            timeout_s,
-            lambda: _abandoned(step, timeout_s),
+            finish,
+            lambda: wait_for_removals(mngr),
+            close_orbax,
+            timeout_s=timeout_s,
+            why=lambda: _abandoned(step, timeout_s),
         ),
         close_durable,
         (lambda: None) if mngr._memory is None else mngr._memory.close,
@@ -311,17 +313,22 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
     )
 
 
-def _within(work: Callable[[], None], timeout_s: float | None, why: Callable[[], str]) -> None:
-    """Runs ``work``; with ``timeout_s``, in a thread left to itself if it has not ended by
-    then, raising ``TimeoutError(why())``."""
+def _within(*calls: Any, timeout_s: float | None, why: Callable[[], str]) -> None:
+    """:func:`run_all` of ``calls``; with ``timeout_s``, in a thread, raising
+    ``TimeoutError(why())`` if they have not all ended by then. The thread is left to itself
+    and starts none of the calls that remain: the lock is released, it must not delete."""
     if timeout_s is None:
-        work()
+        run_all(*calls)
         return
     outcome: concurrent.futures.Future = concurrent.futures.Future()
+    gave_up = threading.Event()
+
+    def unless_given_up(call: Callable[[], object]) -> Callable[[], None]:
+        return lambda: None if gave_up.is_set() else call()
 
     def run() -> None:
         try:
-            work()
+            run_all(*map(unless_given_up, calls))
         except BaseException as e:  # handed to the thread that waits for it
             outcome.set_exception(e)
         else:
@@ -332,6 +339,7 @@ def _within(work: Callable[[], None], timeout_s: float | None, why: Callable[[],
     try:
         outcome.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
+        gave_up.set()
         raise TimeoutError(why()) from None
 
 
@@ -343,7 +351,11 @@ def _abandoned(step: int | None, timeout_s: float | None) -> str:
         else f"the save of step {step}, which Orbax commits once every process has written "
         f"its part,"
     )
-    abandoned = "" if step is None else f"step {step} (not committed: no open lists it), "
+    abandoned = (
+        ""
+        if step is None
+        else f"step {step} (not committed; after a process's death it never will be), "
+    )
     return (
         f"close: {waiting} did not end within timeout_s={timeout_s:g} s: with several "
         f"processes another process may have died (JAX finds a dead process only at its "
