@@ -52,6 +52,7 @@ __all__ = [
     "ManagerProtocol",
     "Measurements",
     "StepDeletedError",
+    "StepMismatchError",
     "check_extra_names",
     "check_step",
     "check_step_order",
@@ -77,6 +78,17 @@ class ManagerClosedError(ValueError, RuntimeError):
     Both a ``ValueError`` (what the JAX manager raised, like a closed file) and a
     ``RuntimeError`` (what the PyTorch manager raised), so that code written for either keeps
     catching it.
+    """
+
+
+class StepMismatchError(ValueError):
+    """The processes of a job called ``save`` with different steps (a bug in the caller).
+
+    Every process must pass the same step numbers in the same order: the processes save
+    together, and a save that only some of them take waits for the others without end. The
+    managers compare the steps of every process at each policy check and before each save, and
+    raise this on every process, naming each process's steps, before anything of those steps
+    is written.
     """
 
 

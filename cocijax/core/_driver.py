@@ -49,6 +49,7 @@ import functools
 import math
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, final
 
@@ -57,7 +58,7 @@ import numpy as np
 
 from cocijax._validate import POSITIVE, check
 from cocijax.core import _policy_state
-from cocijax.core._contract import Measurements
+from cocijax.core._contract import Measurements, StepMismatchError
 from cocijax.core._history import MACHINE, PROCESS, RunHistory
 from cocijax.core._policy_inputs import COST_JUMP, RecentTimes, prior_cost_s, read_loss
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
@@ -118,6 +119,38 @@ def _broadcast_from_process_0(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
+def _same_steps_on_every_process(steps: np.ndarray) -> None:
+    """Raises :class:`StepMismatchError` on every process unless all recorded these ``steps``.
+
+    One all-gather of a fixed size (the count, the first and last step, a checksum of all),
+    whatever the steps: processes at different steps still meet in it, and every one of them
+    sees every process's steps, so all raise the same error. Steps fit int32
+    (:data:`~cocijax.core._contract.MAX_STEP`), which is what JAX gathers without x64.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    checksum = zlib.crc32(np.asarray(steps, "<i8").tobytes()) & 0x7FFFFFFF
+    mine = np.asarray([len(steps), steps[0], steps[-1], checksum], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4)
+    if (every == every[0]).all():
+        return
+    seen = "; ".join(
+        f"process {i}: "
+        + (f"step {first}" if n == 1 else f"{n} steps, {first} to {last}")
+        + (" (not the same ones)" if i and row[:3] == every[0, :3].tolist() else "")
+        for i, row in enumerate(every.tolist())
+        for n, first, last, _ in [row]
+    )
+    raise StepMismatchError(
+        f"save: the processes of this job passed different steps since the policy's previous "
+        f"check ({seen}). Every process must call save with the same steps in the same order "
+        f"(one step counter for all; no process skipping a call); nothing of these steps was "
+        f"saved."
+    )
+
+
 @final
 class PolicyDriver:
     """Runs one policy in a training job: measured inputs, learned failure rate, restartable.
@@ -135,6 +168,11 @@ class PolicyDriver:
       broadcast: makes the measured inputs of every process equal before the policy sees them
         (see :class:`cocijax.policies.Runner`); default: JAX's broadcast from process 0. The
         PyTorch manager passes its process group's.
+      same_steps: checks at every policy check (so before every save, see
+        :meth:`snapshot`) that every process was given the same steps, raising
+        :class:`~cocijax.core._contract.StepMismatchError` on all of them if not (see
+        :class:`cocijax.policies.Runner`); default: one all-gather among JAX's processes;
+        ``None`` checks nothing.
       compile_now: start compiling the policy's update in the background at once (see
         :meth:`cocijax.policies.Runner.compile`); a read-only manager, which never decides,
         passes False.
@@ -163,12 +201,13 @@ class PolicyDriver:
         cost_from_intervals: bool = False,
         save_final_step: bool = False,
         broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
+        same_steps: Callable[[np.ndarray], None] | None = _same_steps_on_every_process,
         compile_now: bool = True,
         drain_s: Callable[[], float] | None = None,
     ):
         check_policy(policy)
         self.policy = policy
-        self.runner = Runner(policy, broadcast=broadcast)
+        self.runner = Runner(policy, broadcast=broadcast, same_steps=same_steps)
         if compile_now:
             # Now, so that no training step is charged for it, and in a thread: a restarted
             # job restores and compiles its training step meanwhile (measured in chaos_bench).
@@ -397,6 +436,9 @@ class PolicyDriver:
 
     def snapshot(self, loss: Any, level: int = 2) -> dict[str, Any]:
         """Captures what the checkpoint of the current step records (no device sync).
+
+        The steps recorded since the policy's last check are fed to it first: so the
+        processes' steps are compared (``same_steps``) before every save.
 
         Args:
           loss: the current step's loss as given by the user (read later, off the train loop).

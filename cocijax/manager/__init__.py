@@ -21,6 +21,7 @@ from cocijax.core._contract import (
     ManagerProtocol,
     Measurements,
     StepDeletedError,
+    StepMismatchError,
 )
 from cocijax.manager._checkpoint_manager import CheckpointManager
 from cocijax.manager._save_decision import SaveDecisionPolicy
@@ -35,4 +36,5 @@ __all__ = [
     "Measurements",
     "SaveDecisionPolicy",
     "StepDeletedError",
+    "StepMismatchError",
 ]

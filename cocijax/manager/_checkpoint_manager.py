@@ -49,6 +49,7 @@ from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
 from cocijax.manager import _opening, _restoring, _saving
 from cocijax.manager._directory import STATE_ITEM, checked_once
+from cocijax.manager._tier_options import check_timeout
 
 __all__ = ["CheckpointManager"]
 
@@ -458,7 +459,7 @@ class CheckpointManager:
         self._check_open()
         return self.orbax.is_saving_in_progress()
 
-    def close(self) -> None:
+    def close(self, *, timeout_s: float | None = None) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock.
 
         Each of these runs whatever the ones before it raised (a failed save, an I/O error),
@@ -468,12 +469,23 @@ class CheckpointManager:
         any committed save of this run yet; a marker that cannot be removed is named in the
         error, and the next open counts it as one failure.
 
+        Args:
+          timeout_s: the longest close waits for the running save, the garbage collection and
+            Orbax's close; ``None`` (default): as long as they take. With several processes a
+            save commits once every process has written its part: after another process died,
+            Orbax waits for it until JAX's heartbeat timeout aborts this process. With a
+            bound, close gives up on the save then (not committed by then; the garbage
+            collection and Orbax's close are skipped) and the rest of close runs.
+
         Raises:
+          TimeoutError: ``timeout_s`` ran out (names the step abandoned).
           Exception: the first error of the above (a failed save's, with the path it names).
         """
+        if timeout_s is not None:
+            timeout_s = check_timeout(timeout_s, "timeout_s")
         if not self._closed:
             self._closed = True
-            _saving.close(self)
+            _saving.close(self, timeout_s)
 
     def _check_open(self) -> None:
         if self._closed:

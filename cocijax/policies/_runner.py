@@ -38,6 +38,9 @@ class Runner:
         inputs of ``Policy.update``, loss first) before they reach the policy, e.g. a broadcast
         from process 0 so that every process of a job takes the same decisions; ``None`` uses
         them as they are.
+      same_steps: called at every check, before ``broadcast``, with the steps recorded since
+        the previous check (an int64 array, in order): a check that every process of a job
+        was given the same steps, which raises if not; ``None`` checks nothing.
 
     Example:
       >>> import numpy as np, cocijax as cj
@@ -49,7 +52,11 @@ class Runner:
     """
 
     def __init__(
-        self, policy: Policy, *, broadcast: Callable[[np.ndarray], np.ndarray] | None = None
+        self,
+        policy: Policy,
+        *,
+        broadcast: Callable[[np.ndarray], np.ndarray] | None = None,
+        same_steps: Callable[[np.ndarray], None] | None = None,
     ):
         init, update = getattr(policy, "init", None), getattr(policy, "update", None)
         if not (callable(init) and callable(update)):
@@ -61,6 +68,7 @@ class Runner:
             raise ValueError(f"policy.levels: expected 1 or 2, got {policy.levels!r}.")
         self.policy = policy
         self._broadcast = broadcast
+        self._same_steps = same_steps
         self._update_many = update_many(policy)
         # The policy runs on the host CPU: on an accelerator its tiny update would queue behind
         # the training step, and reading its decision would wait for the device.
@@ -176,6 +184,10 @@ class Runner:
         if not self._pending:
             return 0
         steps = [row[0] for row in self._pending]
+        if self._same_steps is not None:
+            # Before the broadcast, whose shape is the number of steps: processes at different
+            # steps would pair mismatched collectives (an abort in gloo) or wait for ever.
+            self._same_steps(np.asarray(steps, np.int64))
         values = np.asarray(
             [(_read(loss), *rest) for _, loss, *rest in self._pending], np.float32
         ).reshape(len(steps), len(_FLOAT_INPUTS))

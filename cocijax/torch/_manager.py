@@ -236,7 +236,10 @@ class CheckpointManager:
             opened_at_age_s=age,
             memory_marker=None if self._memory is None else self._memory.marker,
         )
-        self._driver = make_driver(history=self._history, broadcast=self._ranks.broadcast)
+        # The steps of the ranks are not compared (JAX's check would start JAX's backend here).
+        self._driver = make_driver(
+            history=self._history, broadcast=self._ranks.broadcast, same_steps=None
+        )
         self._retention = Retention(best, max_to_keep)
         self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
         self._use_async = use_async

@@ -377,3 +377,20 @@ def test_storage_read_manifest_of_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(storage.CheckpointFormatError, match=str(tmp_path / "nope")):
         storage.read_manifest(tmp_path / "nope")
     assert item_dir(tmp_path, 1).name  # the helper itself does not touch the disk
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "error"),
+    [(0, ValueError), (-1.0, ValueError), (math.nan, ValueError), ("5", TypeError)],
+    ids=["zero", "negative", "nan", "str"],
+)
+def test_close_rejects_a_bad_timeout_and_stays_open(mngr, timeout_s: Any, error: type) -> None:
+    assert mngr.save(1, _tree(), loss=1.0, force=True)
+    with pytest.raises(error, match="timeout_s"):
+        mngr.close(timeout_s=timeout_s)
+    assert mngr.save(2, _tree(), loss=1.0, force=True)  # still open
+    mngr.close(timeout_s=60.0)  # one process: the save commits well within it
+    with cj.CheckpointManager(
+        mngr.directory, roots=list(mngr.roots), policy=P.fixed(10)
+    ) as reopened:
+        assert reopened.all_steps() == [1, 2]
