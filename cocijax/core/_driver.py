@@ -18,9 +18,8 @@ inside a save. So the policy is fed the median of the last ``RECENT`` measuremen
 time, a negative interval is no measurement, and a save's cost counts at most ``COST_JUMP``
 times the estimate before it (:mod:`cocijax.core._policy_inputs`): one pause never reaches the
 policy, and a lasting change does from its second measurement (a disk 100 times slower from its
-fourth save). A single step time is not fed until a second one confirms it: the policies smooth
-the step time from its first value on, so a paused first step would have misled them for
-hundreds of steps.
+fourth save). A first step time waits for a second to confirm it: the policies smooth the step
+time from its first value, which a paused first step would skew for hundreds of steps.
 
 **The first save comes early.** While no save cost is known (a fresh job; not one that
 restored the cost its checkpoint measured), the driver saves after the first timed step, the
@@ -49,7 +48,6 @@ import functools
 import math
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, final
 
@@ -58,7 +56,8 @@ import numpy as np
 
 from cocijax._validate import POSITIVE, check
 from cocijax.core import _policy_state
-from cocijax.core._contract import Measurements, StepMismatchError
+from cocijax.core._collectives import broadcast_from_process_0, same_steps_on_every_process
+from cocijax.core._contract import Measurements
 from cocijax.core._history import MACHINE, PROCESS, RunHistory
 from cocijax.core._policy_inputs import COST_JUMP, RecentTimes, prior_cost_s, read_loss
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
@@ -107,47 +106,6 @@ def manager_driver(
     prior = check("prior_mtbf_s", prior, POSITIVE)
     return functools.partial(
         PolicyDriver, policy, clock=clock, prior_mtbf_s=prior, save_final_step=True
-    )
-
-
-def _broadcast_from_process_0(values: np.ndarray) -> np.ndarray:
-    """Every process decides on process 0's measurements (the same updates, the same decisions)."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.broadcast_one_to_all(values))
-
-
-def _same_steps_on_every_process(steps: np.ndarray) -> None:
-    """Raises :class:`StepMismatchError` on every process unless all recorded these ``steps``.
-
-    One all-gather of a fixed size (the count, the first and last step, a checksum of all),
-    whatever the steps: processes at different steps still meet in it, and every one of them
-    sees every process's steps, so all raise the same error. Steps fit int32
-    (:data:`~cocijax.core._contract.MAX_STEP`), which is what JAX gathers without x64.
-    """
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    checksum = zlib.crc32(np.asarray(steps, "<i8").tobytes()) & 0x7FFFFFFF
-    mine = np.asarray([len(steps), steps[0], steps[-1], checksum], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4)
-    if (every == every[0]).all():
-        return
-    seen = "; ".join(
-        f"process {i}: "
-        + (f"step {first}" if n == 1 else f"{n} steps, {first} to {last}")
-        + (" (not the same ones)" if i and row[:3] == every[0, :3].tolist() else "")
-        for i, row in enumerate(every.tolist())
-        for n, first, last, _ in [row]
-    )
-    raise StepMismatchError(
-        f"save: the processes of this job passed different steps since the policy's previous "
-        f"check ({seen}). Every process must call save with the same steps in the same order "
-        f"(one step counter for all; no process skipping a call); nothing of these steps was "
-        f"saved."
     )
 
 
@@ -200,8 +158,8 @@ class PolicyDriver:
         prior_mtbf_s: float = math.nan,
         cost_from_intervals: bool = False,
         save_final_step: bool = False,
-        broadcast: Callable[[np.ndarray], np.ndarray] = _broadcast_from_process_0,
-        same_steps: Callable[[np.ndarray], None] | None = _same_steps_on_every_process,
+        broadcast: Callable[[np.ndarray], np.ndarray] = broadcast_from_process_0,
+        same_steps: Callable[[np.ndarray], None] | None = same_steps_on_every_process,
         compile_now: bool = True,
         drain_s: Callable[[], float] | None = None,
     ):
