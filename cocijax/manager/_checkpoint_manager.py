@@ -456,7 +456,8 @@ class CheckpointManager:
         save writes on in the background after it returns.
         """
         self._check_open()
-        return self.orbax.is_saving_in_progress()
+        copying = self._copy is not None and self._copy.step is not None
+        return copying or self.orbax.is_saving_in_progress()
 
     def close(self) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock.
