@@ -121,15 +121,16 @@ class DiskCopy:
             steps, self._committed = self._committed, []
         return steps
 
-    def wait(self) -> None:
-        """Waits for the copy in flight, then raises its error, once.
+    def wait(self, *, block: bool = True) -> None:
+        """Waits for the copy in flight (``block``), then raises the error of a copy that
+        failed, once.
 
         Raises:
           DiskCopyStalledError: the copy made no progress for ``timeout_s`` (it goes on).
           Exception: the copy failed (its error, naming a path; the memory copy is intact).
         """
         with self._cond:
-            while self._step is not None:
+            while block and self._step is not None:
                 left = None
                 if self._timeout_s is not None:
                     left = self._progress_at + self._timeout_s - time.monotonic()
@@ -229,7 +230,9 @@ class DiskCopy:
         """Copies the committed memory ``step`` to the disk and commits it there (a rename)."""
         source = self._memory / str(step)
         final = self._directory / self._step_name(step)
-        if not is_committed(final):
+        # A step directory appears whole (a rename); not is_committed, which the opening
+        # caches: this one's answer changes below.
+        if not final.exists():
             tmp = final.with_name(f"{final.name}{TMP_MARK}-copy")
             try:
                 with naming(final, (self._directory, self._memory)):

@@ -171,11 +171,12 @@ def apply_retention(mngr: CheckpointManager) -> None:
 
 def wait_for_save(mngr: CheckpointManager, *, copy: bool = True) -> None:
     """Waits for the running saves (the memory tier's, then the disk's) and, with ``copy``,
-    for the disk copy of a persisted memory step; their errors (every one, once) name a path."""
+    for the disk copy of a persisted memory step; their errors (every one, once, a copy's
+    also without ``copy`` once it ended) name a path."""
     run_all(
         (lambda: None) if mngr._memory is None else lambda: _wait_for_memory(mngr),
         lambda: _wait_for_disk(mngr),
-        (lambda: None) if mngr._copy is None or not copy else mngr._copy.wait,
+        (lambda: None) if mngr._copy is None else lambda: mngr._copy.wait(block=copy),
     )
 
 
