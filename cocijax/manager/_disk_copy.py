@@ -3,8 +3,9 @@
 With ``memory=``, a persisted save (level 2) is saved into the memory tier only, which costs
 the training thread one host snapshot of the device arrays. Once that memory step commits, a
 thread of this module copies it to the disk directory in the disk's format (the state item
-through :func:`cocijax.storage.copy_item`, every checksum verified, as the durable tier drains;
-the other files byte for byte), then commits it as Orbax does: the copy is written under a
+through :func:`cocijax.storage.copy_item`, every checksum verified, as the durable tier drains,
+its pieces striped over the external roots as a save stripes them; the other files byte for
+byte), then commits it as Orbax does: the copy is written under a
 temporary name (Orbax's ``.orbax-checkpoint-tmp`` mark, which garbage collection removes) and
 renamed into place, so a step is listed on the disk only once its copy is whole.
 
@@ -27,7 +28,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cocijax import storage
@@ -58,6 +59,8 @@ class DiskCopy:
       memory: the memory tier's folder (the job's namespace folder).
       directory: the checkpoint directory.
       step_name: the name of a step's directory (Orbax's step name format).
+      roots: the directory's stripe folders on its external roots, where the state's pieces
+        go as a save stripes them (none: inside the step directory).
       timeout_s: :meth:`wait` gives up on a copy that made no progress for this long
         (``None``: waits for ever).
       memory_bytes: host buffers kept between copies (see :class:`cocijax.storage.BufferPool`).
@@ -69,12 +72,14 @@ class DiskCopy:
         directory: Path,
         step_name: Callable[[int], str],
         *,
+        roots: Sequence[Path | storage.KvPath] = (),
         timeout_s: float | None,
         memory_bytes: int = 512 << 20,
     ):
         self._memory = memory
         self._directory = directory
         self._step_name = step_name
+        self._roots = tuple(roots)
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
         self._step: int | None = None  # handed over and not finished
@@ -259,5 +264,9 @@ class DiskCopy:
             shutil.copyfile(path, dest / rel)
         self._touch()
         storage.copy_item(
-            source / STATE_ITEM, dest / STATE_ITEM, buffers=self._buffers, progress=self._touch
+            source / STATE_ITEM,
+            dest / STATE_ITEM,
+            buffers=self._buffers,
+            progress=self._touch,
+            dest_roots=self._roots or None,
         )

@@ -323,6 +323,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
             mngr._memory.path,
             mngr._directory,
             mngr._name_format.build_name,
+            roots=mngr._stripe_roots,
             timeout_s=mngr._store_timeout_s,
         )
         mngr._copy.finish_pending()  # persisted steps a killed run left in memory only

@@ -100,6 +100,22 @@ def test_a_persisted_save_writes_memory_only_and_its_disk_copy_is_made_from_it(
         assert mngr.restored_tier == "local"
 
 
+def test_with_external_roots_the_copy_is_striped_over_them(tmp_path, memory):
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    with cj.CheckpointManager(
+        tmp_path / "ckpt", roots=roots, policy=cj.policies.fixed(1), memory=memory
+    ) as mngr:
+        mngr.save(1, {f"a{i}": np.full(3 << 20, i, np.float32) for i in range(2)}, loss=1.0)
+        mngr.wait_until_finished()
+        manifest = cj.storage.read_manifest(mngr.item_directory(1))
+        assert manifest.roots == tuple(str(r) for r in mngr.stripe_roots)
+        assert {p.root for p in manifest.pieces} == {0, 1}
+        inside = [p.name for p in mngr.item_directory(1).iterdir()]
+        assert not any(name.startswith("cocijax-stripe") for name in inside)
+        restored = mngr.restore(1, tier="local")
+        np.testing.assert_array_equal(restored["a1"], np.full(3 << 20, 1, np.float32))
+
+
 def test_a_step_is_listed_on_disk_only_once_its_copy_committed(tmp_path, memory, held):
     directory = tmp_path / "ckpt"
     with cj.CheckpointManager(directory, policy=cj.policies.fixed(1), memory=memory) as mngr:
