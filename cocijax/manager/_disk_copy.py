@@ -101,10 +101,14 @@ class DiskCopy:
         names = [p.name[len(PENDING_PREFIX) :] for p in self._memory.glob(f"{PENDING_PREFIX}*")]
         return sorted(int(n) for n in names if n.isdigit())
 
-    def start(self, step: int) -> None:
-        """Copies ``step`` once its memory save commits (call after that save started, and
-        after :meth:`wait` for the previous copy)."""
+    def mark(self, step: int) -> None:
+        """Records that ``step`` is to be copied: call before its memory save starts, so that
+        no kill can leave it committed in memory and not known to be persisted."""
         self._marker(step).touch()
+
+    def start(self, step: int) -> None:
+        """Copies ``step`` (marked by :meth:`mark`) once its memory save commits (call after
+        that save started, and after :meth:`wait` for the previous copy)."""
         with self._cond:
             assert self._step is None, "a disk copy is still in flight"
             self._step, self._memory_settled = step, False

@@ -117,6 +117,8 @@ def write_step(
                 }
             )
             if memory is not None:  # what a restart after a process failure reads
+                if level == 2:
+                    mngr._copy.mark(step)
                 memory.save(
                     step, args, nbytes=nbytes, metrics=metrics, custom_metadata=custom_metadata
                 )
