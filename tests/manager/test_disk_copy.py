@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +22,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 import cocijax as cj
+from cocijax.core._memory import find_tmpfs
 from cocijax.manager import _disk_copy
 from cocijax.manager._disk_copy import PENDING_PREFIX, DiskCopyStalledError
-from cocijax.manager._memory_tier import _find_tmpfs
 
-TMPFS = _find_tmpfs()
+TMPFS = find_tmpfs()
 pytestmark = pytest.mark.skipif(TMPFS is None, reason="no shared-memory tmpfs on this machine")
-
-
-@pytest.fixture
-def memory():
-    """A fresh folder on the tmpfs, removed afterwards."""
-    path = Path(tempfile.mkdtemp(dir=TMPFS, prefix="cocijax-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -256,3 +245,31 @@ def test_a_process_killed_during_the_copy_loses_nothing(tmp_path, memory):
         check_restores(mngr, 1, "memory")
         leftovers = [p.name for p in directory.iterdir() if not p.name.startswith(".")]
         assert leftovers == ["1"] and not list(memory.rglob(f"{PENDING_PREFIX}*"))
+
+
+@pytest.mark.xdist_group("reliability-mounts")
+def test_a_disk_full_during_the_copy_keeps_the_memory_copy_and_the_next_opening_copies_it(
+    small_tmpfs, memory
+):
+    directory, size = small_tmpfs / "ckpt", 512 << 10  # 2 MiB states, the disk 8 MiB
+    state = lambda step: {"w": np.full(size, step, np.float32)}
+    mngr = cj.CheckpointManager(directory, policy=cj.policies.fixed(1), memory=memory)
+    mngr.save(1, state(1), loss=1.0)
+    mngr.wait_until_finished()
+    free = os.statvfs(small_tmpfs)
+    ballast = small_tmpfs / "ballast"
+    ballast.write_bytes(b"\0" * (free.f_bavail * free.f_frsize - (1 << 20)))
+    mngr.save(2, state(2), loss=1.0)  # its copy: 2 MiB into the 1 MiB left
+    with pytest.raises(Exception, match=str(directory)) as raised:
+        mngr.wait_until_finished()
+    assert "No space left" in str(raised.value) or "RESOURCE_EXHAUSTED" in str(raised.value)
+    assert mngr._local_steps() == [1] and mngr.memory_steps() == [1, 2]
+    assert cj.storage.verify(mngr._memory.path / "2" / "state") == []
+    np.testing.assert_array_equal(mngr.restore(2)["w"], state(2)["w"])
+    assert mngr.restored_tier == "memory"
+    assert [p.name for p in directory.iterdir() if not p.name.startswith(".")] == ["1"]
+    mngr.close()
+    ballast.unlink()  # the operator frees the disk
+    with cj.CheckpointManager(directory, policy=cj.policies.fixed(1), memory=memory) as mngr:
+        assert mngr._local_steps() == [1, 2]
+        np.testing.assert_array_equal(mngr.restore(2, tier="local")["w"], state(2)["w"])

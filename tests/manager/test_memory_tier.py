@@ -10,8 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
@@ -27,14 +25,6 @@ from cocijax.core._memory import find_tmpfs, mount_of
 
 TMPFS = find_tmpfs()
 pytestmark = pytest.mark.skipif(TMPFS is None, reason="no shared-memory tmpfs on this machine")
-
-
-@pytest.fixture
-def memory():
-    """A fresh folder on the tmpfs, removed afterwards."""
-    path = Path(tempfile.mkdtemp(dir=TMPFS, prefix="cocijax-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def alternating(levels=2):
@@ -321,24 +311,6 @@ def test_a_machine_reboot_restores_from_the_disk_and_counts_a_machine_failure(tm
 
 
 # -- a tmpfs that fills up ------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """An 8 MiB tmpfs mounted for this test only; skipped where mounting is not allowed."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.mark.xdist_group("reliability-mounts")
