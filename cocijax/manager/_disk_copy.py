@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cocijax import storage
-from cocijax._files import fsync_dir, remove_tree
+from cocijax._files import fsync_dir, fsync_file, remove_tree
 from cocijax.manager._directory import STATE_ITEM, TMP_MARK, is_committed
 from cocijax.manager._faults import naming
 from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
@@ -258,6 +258,7 @@ class DiskCopy:
 
     def _copy_into(self, source: Path, dest: Path) -> None:
         remove_tree(dest)  # a copy killed before
+        copied = []
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source)
             if rel.parts[0] == STATE_ITEM and (
@@ -266,6 +267,12 @@ class DiskCopy:
                 continue  # the state's pieces and manifest: copy_item's, manifest last
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, dest / rel)
+            copied.append(dest / rel)
+        # Durable before the commit, as Orbax's save makes them (copy_item syncs the pieces).
+        for path in copied:
+            fsync_file(path)
+        for folder in {p.parent for p in copied} | {dest}:
+            fsync_dir(folder)
         self._touch()
         storage.copy_item(
             source / STATE_ITEM,

@@ -2,12 +2,14 @@
 
 The copy keeps every piece a zarr v3 array with the same metadata (chunk grid, codecs) and puts
 all of them under the destination item itself, so the copy is self-contained: its manifest
-records one root, ``None``, the item directory, wherever it is later found or moved. Each piece
-file is read once, its members' checksums are verified (a damaged source is never copied), and
-its data is written through TensorStore, its ``zarr.json`` copied byte for byte before any data;
-at most ``memory_bytes`` of pieces are held at a time. The
-destination's manifest is written last, after one listing shows every object there: on an
-object store, the item is committed when that object exists.
+records one root, ``None``, the item directory, wherever it is later found or moved (or, given
+``dest_roots``, stripes them over those roots as a save does). Each piece file is read once, its
+members' checksums are verified (a damaged source is never copied), and its data is written
+through TensorStore, its ``zarr.json`` copied byte for byte before any data; at most
+``memory_bytes`` of pieces are held at a time. The destination's manifest is written last,
+after one listing shows every object there (on a local destination, after every file and
+directory written is fsynced): on an object store, the item is committed when that object
+exists.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import heapq
 import math
 import mmap
 import os
+import pathlib
 import threading
 import time
 import typing
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from cocijax import _files
 from cocijax.storage import _io, _kvpath, _manifest_io, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
@@ -186,6 +190,7 @@ def copy_item(
         copier = _Copier(manifest, reader, bases, context, host_buffers, limit, progress)
         _check_unique(manifest)
         copied = _io.run_sync(copier.run())
+        _sync_local(bases, [file for file, _, _ in copied], io_pool)
     if commit:
         _manifest_io.write_manifest(target, copied_manifest)
     return CopyStats(
@@ -291,6 +296,23 @@ class _Copier:
             grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
             chunks = _write.grid_size(metadata["shape"], grid)
             return first.file, data.nbytes, chunks
+
+
+def _sync_local(
+    bases: Mapping[str, KvPath], files: list[str], io_pool: concurrent.futures.Executor
+) -> None:
+    """Makes the piece files written on local directories durable before any manifest names
+    them (as a save's commit does): every file, then every directory that gained entries."""
+    written, dirs = [], set()
+    for file in files:
+        if not bases[file].is_local:
+            continue  # an object store: the PUT is the promise (checked by one LIST)
+        base = pathlib.Path(bases[file].key)
+        piece = base / file
+        written += [p for p in piece.rglob("*") if p.is_file()]
+        dirs |= {piece, *(d for d in piece.parents if d == base or base in d.parents)}
+    list(io_pool.map(_files.fsync_file, written))
+    list(io_pool.map(_files.fsync_dir, dirs))
 
 
 def _destinations(
