@@ -5,9 +5,9 @@ the training thread one host snapshot of the device arrays. Once that memory ste
 thread of this module copies it to the disk directory in the disk's format (the state item
 through :func:`cocijax.storage.copy_item`, every checksum verified, as the durable tier drains,
 its pieces striped over the external roots as a save stripes them; the other files byte for
-byte), then commits it as Orbax does: the copy is written under a
-temporary name (Orbax's ``.orbax-checkpoint-tmp`` mark, which garbage collection removes) and
-renamed into place, so a step is listed on the disk only once its copy is whole.
+byte), then commits it as Orbax does: the copy is written under a temporary name of its own
+(with Orbax's ``.orbax-checkpoint-tmp`` mark, which garbage collection removes), fsynced, and
+renamed into place, so a step is listed on the disk only once its copy is whole and durable.
 
 **Nothing lost.** Before the copy starts, a marker ``.cocijax-to-disk-<step>`` is written in
 the memory folder; it is removed once the disk copy committed. A process killed during the copy
@@ -242,7 +242,8 @@ class DiskCopy:
         # A step directory appears whole (a rename); not is_committed, which the opening
         # caches: this one's answer changes below.
         if not final.exists():
-            tmp = final.with_name(f"{final.name}{TMP_MARK}-copy")
+            # A name of this copy's own: an abandoned copy may still write to its own.
+            tmp = final.with_name(f"{final.name}{TMP_MARK}-copy-{os.urandom(4).hex()}")
             try:
                 with naming(final, (self._directory, self._memory)):
                     self._copy_into(source, tmp)
@@ -257,7 +258,6 @@ class DiskCopy:
         self._marker(step).unlink(missing_ok=True)
 
     def _copy_into(self, source: Path, dest: Path) -> None:
-        remove_tree(dest)  # a copy killed before
         copied = []
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source)
