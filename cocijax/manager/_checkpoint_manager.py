@@ -437,8 +437,8 @@ class CheckpointManager:
         _saving.delete_step(self, step)
 
     def wait_until_finished(self, *, durable: bool = False) -> None:
-        """Blocks until the running save is committed (re-raises its error), then collects
-        garbage and waits for the removals (which ``save`` leaves to a thread of its own).
+        """Blocks until the running save (and a persisted step's copy from memory to disk) is
+        committed, re-raising its error, then collects garbage and waits for the removals.
 
         Args:
           durable: also wait until the committed steps handed to the durable tier are drained
@@ -446,6 +446,7 @@ class CheckpointManager:
 
         Raises:
           DurableTierError: with ``durable``, a drain failed (names the step and the URL).
+          TimeoutError: a disk copy made no progress for ``store_timeout_s`` (names the step).
         """
         self._check_open()
         _saving.wait_until_finished(self, durable=durable)
@@ -454,10 +455,12 @@ class CheckpointManager:
         """Whether a save has started and not yet committed (as Orbax's manager answers it).
 
         A step whose ``save`` returned True is safe from a crash only once this is False: the
-        save writes on in the background after it returns.
+        save writes on in the background after it returns (with a memory tier, a persisted
+        step's copy to the disk too).
         """
         self._check_open()
-        return self.orbax.is_saving_in_progress()
+        copying = self._copy is not None and self._copy.step is not None
+        return copying or self.orbax.is_saving_in_progress()
 
     def close(self, *, timeout_s: float | None = None) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock.

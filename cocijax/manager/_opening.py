@@ -41,6 +41,7 @@ from cocijax.manager._directory import (
     orbax_reader_notice_dropped,
     split_best,
 )
+from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
 from cocijax.manager._identity import (
     check_directory,
@@ -316,7 +317,18 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
     )
     mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout)
-    collect(mngr)
+    collect(mngr)  # before the copies below: it removes a killed copy's folder
+    if mngr._memory is not None and writer:
+        mngr._copy = DiskCopy(
+            mngr._memory.path,
+            mngr._directory,
+            mngr._name_format.build_name,
+            roots=mngr._stripe_roots,
+            timeout_s=mngr._store_timeout_s,
+        )
+        mngr._copy.finish_pending()  # persisted steps a killed run left in memory only
+        if mngr._copy.take_committed():
+            mngr.orbax.reload()
     if mngr._durable is not None:
         mngr._durable.open(max(mngr._local_steps(), default=None))
     latest = mngr.latest_step()
@@ -393,6 +405,7 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
     mngr._primary = opening.primary
     mngr._durable = opening.durable  # None without one; opened below
     mngr._memory: MemoryTier | None = None  # opened once the identity is known
+    mngr._copy: DiskCopy | None = None  # the memory tier's persisted steps to the disk
     if not mngr._read_only:
         make_dirs(mngr._directory)  # durably: a power loss must not lose it
     elif not mngr._directory.is_dir():

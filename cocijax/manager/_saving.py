@@ -92,8 +92,12 @@ def write_step(
     ready = threading.Event()
     try:
         with mngr._driver.saving(level) as measured:
-            settle(mngr)  # a still-running save is a real stall: timed
-            to_disk = level == 2 or memory is None
+            # A still-running save is a real stall: timed. So is the wait for a disk copy
+            # this save cannot start beside (billed to this save: see _must_wait_for_copy).
+            settle(mngr, copy=False)
+            if _must_wait_for_copy(mngr, memory, level):
+                settle(mngr)
+            to_disk = memory is None  # with a memory tier, a persisted step is copied
             if to_disk:
                 with naming(mngr._step_dir(step), mngr._paths):
                     apply_retention(mngr)
@@ -104,25 +108,29 @@ def write_step(
                 # the whole blocking time.
                 measured["cost_s"] = mngr._clock() - measured["start"]
                 ready.set()
-
-            def args() -> ocp.args.Composite:  # one policy item per tier, written alike
-                item = PolicyStateSave(
-                    build=lambda: mngr._driver.to_json(snapshot, cost_s=measured["cost_s"]),
-                    ready=ready,
-                )
-                return ocp.args.Composite(
-                    **{STATE_ITEM: storage.StripedSave(state), POLICY_ITEM: item, **items}
-                )
-
-            if memory is not None:  # first: what a restart after a process failure reads
+            args = ocp.args.Composite(
+                **{
+                    STATE_ITEM: storage.StripedSave(state),
+                    POLICY_ITEM: PolicyStateSave(
+                        build=lambda: mngr._driver.to_json(snapshot, cost_s=measured["cost_s"]),
+                        ready=ready,
+                    ),
+                    **items,
+                }
+            )
+            if memory is not None:  # what a restart after a process failure reads
+                if level == 2:
+                    mngr._copy.mark(step)
                 memory.save(
-                    step, args(), nbytes=nbytes, metrics=metrics, custom_metadata=custom_metadata
+                    step, args, nbytes=nbytes, metrics=metrics, custom_metadata=custom_metadata
                 )
-            if to_disk:
+                if level == 2:  # the disk's copy is made from it, off this thread
+                    mngr._copy.start(step)
+            else:
                 with naming(mngr._step_dir(step), mngr._paths):
                     mngr.orbax.save(
                         step,
-                        args=args(),
+                        args=args,
                         # Orbax's retention ranks its steps by the metrics it is given here (a
                         # preservation_policy's BestN); the policy item is what it reads on open.
                         metrics=metrics,
@@ -133,6 +141,20 @@ def write_step(
             mngr._latest_saved = step
     finally:
         ready.set()
+
+
+def _must_wait_for_copy(mngr: CheckpointManager, memory: Any, level: int) -> bool:
+    """Whether this save must wait for the disk copy in flight (the memory save waited for).
+
+    A persisted save does (one copy at a time, in the order of the steps), and so does a
+    memory save that would delete the step being copied (the tier's two slots: every committed
+    step but the newest goes), or a save to the disk (garbage collection must not meet a copy).
+    A level-1 save right after a persisted one does not: the step being copied is the newest.
+    """
+    copying = None if mngr._copy is None else mngr._copy.step
+    if copying is None:
+        return False
+    return memory is None or level == 2 or copying != max(memory.steps(), default=None)
 
 
 def apply_retention(mngr: CheckpointManager) -> None:
@@ -151,13 +173,23 @@ def apply_retention(mngr: CheckpointManager) -> None:
         mngr._committed.discard(step)
 
 
-def wait_for_save(mngr: CheckpointManager) -> None:
-    """Waits for the running saves (the memory tier's, then the disk's); their errors (every
-    one, once) name a path."""
+def wait_for_save(mngr: CheckpointManager, *, copy: bool = True) -> None:
+    """Waits for the running saves (the memory tier's, then the disk's) and, with ``copy``,
+    for the disk copy of a persisted memory step; their errors (every one, once, a copy's
+    also without ``copy`` once it ended) name a path."""
     run_all(
-        (lambda: None) if mngr._memory is None else mngr._memory.wait,
+        (lambda: None) if mngr._memory is None else lambda: _wait_for_memory(mngr),
         lambda: _wait_for_disk(mngr),
+        (lambda: None) if mngr._copy is None else lambda: mngr._copy.wait(block=copy),
     )
+
+
+def _wait_for_memory(mngr: CheckpointManager) -> None:
+    try:
+        mngr._memory.wait()
+    finally:
+        if mngr._copy is not None:
+            mngr._copy.memory_settled()
 
 
 def _wait_for_disk(mngr: CheckpointManager) -> None:
@@ -201,11 +233,30 @@ def wait_for_removals(mngr: CheckpointManager) -> None:
         )
 
 
-def settle(mngr: CheckpointManager) -> None:
-    """Waits for the save in flight, and tells the drain there is none now."""
-    wait_for_save(mngr)
+def settle(mngr: CheckpointManager, *, copy: bool = True) -> None:
+    """Waits for the save in flight (and, with ``copy``, for the disk copy in flight); takes
+    the disk copies committed meanwhile; tells the drain when no local save is in flight."""
+    wait_for_save(mngr, copy=copy)
+    if mngr._copy is not None and mngr._copy.step is not None:
+        return  # a step is still being copied to the disk: not settled
+    _take_copies(mngr)
     if mngr._durable is not None:
         mngr._durable.settle()
+
+
+def _take_copies(mngr: CheckpointManager) -> None:
+    """Lists the steps copied to the disk since the last call, and applies retention to them
+    as Orbax's save would have (no save or copy in flight)."""
+    if mngr._copy is None or not mngr._copy.take_committed():
+        return
+    mngr.orbax.reload()  # committed by a rename, outside Orbax's save
+    mngr._history.recorded()  # a disk save of this run committed (see _wait_for_disk)
+    # Orbax applies max_to_keep (and keep_period, ...) when a save starts; Orbax 0.12 has no
+    # public name for the steps it would remove.
+    for old in mngr.orbax._get_old_steps_to_remove():
+        mngr.orbax.delete(old)
+        mngr._committed.discard(old)
+    tidy(mngr)
 
 
 def tidy(mngr: CheckpointManager) -> None:
@@ -286,7 +337,7 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
     """
 
     def finish() -> None:
-        wait_for_save(mngr)  # re-raises a failed save: close all the same
+        settle(mngr)  # re-raises a failed save or disk copy: close all the same
         tidy(mngr)
 
     def close_orbax() -> None:
@@ -307,6 +358,7 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
             why=lambda: _abandoned(step, timeout_s),
         ),
         close_durable,
+        (lambda: None) if mngr._copy is None else mngr._copy.close,
         (lambda: None) if mngr._memory is None else mngr._memory.close,
         mngr._preemption.watcher.uninstall,
         mngr._release,

@@ -2,12 +2,14 @@
 
 The copy keeps every piece a zarr v3 array with the same metadata (chunk grid, codecs) and puts
 all of them under the destination item itself, so the copy is self-contained: its manifest
-records one root, ``None``, the item directory, wherever it is later found or moved. Each piece
-file is read once, its members' checksums are verified (a damaged source is never copied), and
-its data is written through TensorStore, its ``zarr.json`` copied byte for byte before any data;
-at most ``memory_bytes`` of pieces are held at a time. The
-destination's manifest is written last, after one listing shows every object there: on an
-object store, the item is committed when that object exists.
+records one root, ``None``, the item directory, wherever it is later found or moved (or, given
+``dest_roots``, stripes them over those roots as a save does). Each piece file is read once, its
+members' checksums are verified (a damaged source is never copied), and its data is written
+through TensorStore, its ``zarr.json`` copied byte for byte before any data; at most
+``memory_bytes`` of pieces are held at a time. The destination's manifest is written last,
+after one listing shows every object there (on a local destination, after every file and
+directory written is fsynced): on an object store, the item is committed when that object
+exists.
 """
 
 from __future__ import annotations
@@ -15,21 +17,30 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import heapq
 import math
 import mmap
 import os
+import pathlib
 import threading
 import time
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from cocijax import _files
 from cocijax.storage import _io, _kvpath, _manifest_io, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
-from cocijax.storage._records import CheckpointFormatError, Location, Manifest, PieceRecord
+from cocijax.storage._records import (
+    CheckpointFormatError,
+    Location,
+    Manifest,
+    PieceRecord,
+    _root_string,
+)
 
 
 @typing.final
@@ -112,6 +123,7 @@ def copy_item(
     commit: bool = True,
     buffers: BufferPool | None = None,
     progress: Callable[[], None] | None = None,
+    dest_roots: Sequence[Location] | None = None,
 ) -> CopyStats:
     """Copies the committed item ``source`` to ``dest``, checking every checksum.
 
@@ -131,6 +143,9 @@ def copy_item(
         default: a pool of this copy's own (see :class:`BufferPool`).
       progress: called after each piece file is written (a caller's watchdog: the copy is
         making progress).
+      dest_roots: spread the piece files over these directories (largest first, each onto the
+        least-loaded one, as a save stripes them) instead of keeping them under ``dest``; the
+        manifest at ``dest`` records them as its roots.
 
     Returns:
       What was copied.
@@ -155,6 +170,7 @@ def copy_item(
     source = _kvpath.location(source, source_options)
     target = KvPath.parse(dest, dest_options)
     manifest = _manifest_io.read_manifest(source)
+    copied_manifest, bases = _destinations(manifest, target, dest_roots, dest_options)
     context = _io.make_context(concurrency)
     host_buffers = BufferPool(memory_bytes) if buffers is None else buffers
     with (
@@ -171,11 +187,12 @@ def copy_item(
             root_options=source_options,
         )
         limit = asyncio.Semaphore(_files_at_once(manifest, reader, memory_bytes))
-        copier = _Copier(manifest, reader, target, context, host_buffers, limit, progress)
+        copier = _Copier(manifest, reader, bases, context, host_buffers, limit, progress)
         _check_unique(manifest)
         copied = _io.run_sync(copier.run())
+        _sync_local(bases, [file for file, _, _ in copied], io_pool)
     if commit:
-        _manifest_io.write_manifest(target, manifest.in_item_dir())
+        _manifest_io.write_manifest(target, copied_manifest)
     return CopyStats(
         bytes=sum(n for _, n, _ in copied),
         files=len(copied),
@@ -190,7 +207,7 @@ class _Copier:
     Attributes:
       manifest: the source's manifest.
       reader: reads (and verifies) the source's piece files.
-      target: the destination item.
+      bases: where each piece file goes (by its name: the file goes under its base).
       context: the TensorStore context of the writes.
       buffers: where host buffers of whole pieces come from and go back to.
       limit: how many piece files may be in memory at once.
@@ -199,7 +216,7 @@ class _Copier:
 
     manifest: Manifest
     reader: _read.PieceReader
-    target: KvPath
+    bases: Mapping[str, KvPath]
     context: ts.Context
     buffers: BufferPool
     limit: asyncio.Semaphore
@@ -214,12 +231,14 @@ class _Copier:
         await self._copy_metadata()
         files = self.reader.files().values()
         copied = await _io.gather_all(self._copy_file(ps) for ps in files)
-        by_stripe: dict[str, dict[str, int]] = {}
+        by_stripe: dict[tuple[str, str], dict[str, int]] = {}
         for file, _, chunks in copied:
             stripe, _, name = file.partition("/")
-            by_stripe.setdefault(stripe, {})[name] = chunks
+            by_stripe.setdefault((self.bases[file].url, stripe), {})[name] = chunks
+        base_of = {base.url: base for base in self.bases.values()}
         await _io.gather_all(
-            _write.check_written(self.target / stripe, names) for stripe, names in by_stripe.items()
+            _write.check_written(base_of[url] / stripe, names)
+            for (url, stripe), names in by_stripe.items()
         )
         return copied
 
@@ -231,9 +250,11 @@ class _Copier:
         # took 3.6-4.2 s against 3.1-3.3 s this way and 2.9-3.0 s for a plain upload.)
         firsts = [pieces[0] for pieces in self.reader.files().values()]
         sources = await _io.gather_all(self.reader.metadata_bytes(p) for p in firsts)
-        store = await ts.KvStore.open(self.target.spec(), context=self.context)
+        stores = {}
+        for base in {b.url: b for b in self.bases.values()}.values():
+            stores[base.url] = await ts.KvStore.open(base.spec(), context=self.context)
         await _io.gather_all(
-            store.write(f"{p.file}/{_write.ZARR_JSON}", data)
+            stores[self.bases[p.file].url].write(f"{p.file}/{_write.ZARR_JSON}", data)
             for p, data in zip(firsts, sources, strict=True)
         )
 
@@ -258,7 +279,7 @@ class _Copier:
                 out = await ts.open(
                     {
                         "driver": "zarr3",
-                        "kvstore": (self.target / first.file).spec(),
+                        "kvstore": (self.bases[first.file] / first.file).spec(),
                         "metadata": metadata,
                         "assume_metadata": True,
                         "store_data_equal_to_fill_value": True,
@@ -275,6 +296,52 @@ class _Copier:
             grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
             chunks = _write.grid_size(metadata["shape"], grid)
             return first.file, data.nbytes, chunks
+
+
+def _sync_local(
+    bases: Mapping[str, KvPath], files: list[str], io_pool: concurrent.futures.Executor
+) -> None:
+    """Makes the piece files written on local directories durable before any manifest names
+    them (as a save's commit does): every file, then every directory that gained entries."""
+    written, dirs = [], set()
+    for file in files:
+        if not bases[file].is_local:
+            continue  # an object store: the PUT is the promise (checked by one LIST)
+        base = pathlib.Path(bases[file].key)
+        piece = base / file
+        written += [p for p in piece.rglob("*") if p.is_file()]
+        dirs |= {piece, *(d for d in piece.parents if d == base or base in d.parents)}
+    list(io_pool.map(_files.fsync_file, written))
+    list(io_pool.map(_files.fsync_dir, dirs))
+
+
+def _destinations(
+    manifest: Manifest,
+    target: KvPath,
+    dest_roots: Sequence[Location] | None,
+    dest_options: Mapping[str, Any] | None,
+) -> tuple[Manifest, dict[str, KvPath]]:
+    """The copy's manifest, and where each piece file goes: under ``target`` itself, or spread
+    over ``dest_roots`` largest first, each onto the least-loaded root (as a save stripes)."""
+    files: dict[str, list[PieceRecord]] = {}
+    for p in manifest.pieces:
+        files.setdefault(p.file, []).append(p)
+    if not dest_roots:
+        return manifest.in_item_dir(), dict.fromkeys(files, target)
+    roots = [KvPath.parse(r, dest_options) for r in dest_roots]
+    loads = [(0, i) for i in range(len(roots))]
+    heapq.heapify(loads)
+    index = {}
+    for file in sorted(files, key=lambda f: (-_file_bytes(manifest, files[f]), f)):
+        load, i = heapq.heappop(loads)
+        index[file] = i
+        heapq.heappush(loads, (load + _file_bytes(manifest, files[file]), i))
+    copied = dataclasses.replace(
+        manifest,
+        roots=tuple(_root_string(r) for r in dest_roots),
+        pieces=tuple(dataclasses.replace(p, root=index[p.file]) for p in manifest.pieces),
+    )
+    return copied, {file: roots[i] for file, i in index.items()}
 
 
 def _files_at_once(manifest: Manifest, reader: _read.PieceReader, memory_bytes: int) -> int:

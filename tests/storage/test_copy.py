@@ -138,3 +138,19 @@ def test_a_second_copy_with_the_same_pool_reads_into_the_kept_buffers(item, tmp_
     assert allocated == []
     assert storage.verify(tmp_path / "b") == []
     assert all(np.array_equal(_restore(tmp_path / "b")[k], v) for k, v in TREE.items())
+
+
+def test_a_copy_over_dest_roots_stripes_its_pieces_like_a_save(item, tmp_path):
+    roots = [tmp_path / "d0", tmp_path / "d1", tmp_path / "d2"]
+    storage.copy_item(item, tmp_path / "copy", dest_roots=roots)
+    manifest = storage.read_manifest(tmp_path / "copy")
+    assert manifest.roots == tuple(str(r) for r in roots)
+    # 32 equal piece files, largest first onto the least-loaded root: 11, 11 and 10.
+    per_root = [sum(1 for p in manifest.pieces if p.root == i) for i in range(3)]
+    assert sorted(per_root) == [10, 11, 11]
+    for piece in manifest.pieces:
+        assert (roots[piece.root] / piece.file / "zarr.json").is_file()
+    assert [p.name for p in (tmp_path / "copy").iterdir()] == [MANIFEST_NAME]
+    assert storage.verify(tmp_path / "copy") == []
+    back = _restore(tmp_path / "copy")
+    assert all(np.array_equal(back[k], v) for k, v in TREE.items())
