@@ -62,7 +62,7 @@ def check_compilation_cache(value: Any, directory: Path) -> Path | None:
     return Path(value).expanduser().absolute()
 
 
-def use_compilation_cache(folder: Path) -> str:
+def use_compilation_cache(folder: Path) -> None:
     """Points JAX's persistent compilation cache at ``folder``, unless one is set already.
 
     Small programs are cached too: JAX's minimum compile time and entry size are lowered to
@@ -70,9 +70,6 @@ def use_compilation_cache(folder: Path) -> str:
 
     Args:
       folder: the cache folder (created by JAX at its first write).
-
-    Returns:
-      The folder JAX's cache uses: ``folder``, or the one that was set already (warned).
     """
     current = jax.config.jax_compilation_cache_dir
     if current and Path(current).expanduser().absolute() != folder:
@@ -83,11 +80,10 @@ def use_compilation_cache(folder: Path) -> str:
             RuntimeWarning,
             stacklevel=4,  # the caller of CheckpointManager(), through checked_once
         )
-        return current
+        return
     if jax.config.jax_persistent_cache_min_compile_time_secs == _DEFAULT_MIN_COMPILE_TIME_S:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if jax.config.jax_persistent_cache_min_entry_size_bytes == _DEFAULT_MIN_ENTRY_SIZE:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     log.info("JAX's persistent compilation cache: %s", folder)
-    return str(folder)
