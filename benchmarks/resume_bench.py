@@ -66,7 +66,7 @@ def _tree(name: str, quick: bool):
     return {f"w{i:02d}": jnp.full(256, float(i)) for i in range(16)}
 
 
-def _manager(case: dict, *, saving: bool = False):
+def _manager(case: dict):
     import orbax.checkpoint as ocp
 
     import cocijax as cj
@@ -81,7 +81,7 @@ def _manager(case: dict, *, saving: bool = False):
         case["dir"],
         options=options,
         memory=case.get("memory"),
-        compilation_cache=method == "memory+cache" and not saving,
+        compilation_cache=method == "memory+cache",
     )
 
 
@@ -90,7 +90,7 @@ def _save(case: dict) -> dict:
     import orbax.checkpoint as ocp
 
     tree = jax.block_until_ready(_tree(case["tree"], case["quick"]))
-    with _manager(case, saving=True) as manager:
+    with _manager(case) as manager:
         for step in range(1, case["steps"] + 1):
             if case["method"] == "orbax":
                 manager.save(step, args=ocp.args.StandardSave(tree))
