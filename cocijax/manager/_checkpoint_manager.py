@@ -48,6 +48,7 @@ from cocijax.core._history import failed_exit, process_age_s
 from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
 from cocijax.manager import _opening, _restoring, _saving
+from cocijax.manager._compile_cache import check_compilation_cache, use_compilation_cache
 from cocijax.manager._directory import STATE_ITEM, checked_once
 from cocijax.manager._tier_options import check_timeout
 
@@ -138,6 +139,13 @@ class CheckpointManager:
         space). A state whose two copies do not fit is refused at the first save (a
         ``ValueError`` naming the sizes); with ``memory=True`` the manager warns and saves to
         the disk only.
+      compilation_cache: reuse compiled programs across restarts: True keeps JAX's persistent
+        compilation cache in ``<directory>/.cocijax-compile-cache`` (hidden: not a step, not
+        copied to the tiers), a folder keeps it there. Set when the manager is built, so only
+        programs compiled afterwards are cached: build the manager before jitting the training
+        step. A cache folder set already (``jax_compilation_cache_dir``) is kept, with a
+        warning. Small programs are cached too (JAX's minimum compile time, 1 s by default, is
+        lowered to 0 unless set).
 
     Raises:
       ValueError: ``directory`` holds something neither cocijax nor Orbax wrote, locations
@@ -183,6 +191,7 @@ class CheckpointManager:
         store_timeout_s: float = 30.0,
         memory: bool | str | os.PathLike[str] | None = None,
         memory_bytes: int | None = None,
+        compilation_cache: bool | str | os.PathLike[str] | None = None,
     ):
         age = process_age_s()
         opening = _opening.check_arguments(
@@ -196,6 +205,9 @@ class CheckpointManager:
             orbax_retention=orbax_retention, store_timeout_s=store_timeout_s, memory=memory,
             memory_bytes=memory_bytes,
         )  # fmt: skip
+        cache = check_compilation_cache(compilation_cache, opening.directory)
+        if cache is not None:  # before the opening, whose policy compiles its decision
+            use_compilation_cache(cache)
         _opening.open_manager(self, opening, age)
         self._pending_loss: Any = None
         self._restored_step: int | None = None
