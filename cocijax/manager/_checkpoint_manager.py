@@ -41,11 +41,8 @@ from cocijax.core._contract import (
     MEASUREMENTS,
     POLICY_STATE,
     ManagerClosedError,
-    check_step,
-    check_step_order,
 )
 from cocijax.core._history import failed_exit, process_age_s
-from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
 from cocijax.manager import _opening, _restoring, _saving
 from cocijax.manager._compile_cache import check_compilation_cache, use_compilation_cache
@@ -216,10 +213,6 @@ class CheckpointManager:
         watcher.install(on_end=self.close)
         self._preemption = Preemption(watcher, owner=str(self._directory))
 
-    def _release(self) -> None:
-        """Removes the running marker (a clean end), then releases the lock, whatever fails."""
-        _saving.release(self)
-
     # -- listing ----------------------------------------------------------------------------
 
     @property
@@ -336,28 +329,7 @@ class CheckpointManager:
             non-scalar, or ``custom_metadata`` is not a JSON dict.
         """
         self._check_open()
-        if self._read_only:
-            raise ValueError(f"save: {self._directory} was opened with read_only options.")
-        step = check_step(step)
-        check_step_order(step, self._latest_saved, self._driver.step, self._directory)
-        loss = stage_loss(loss)
-        if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
-            self._driver.state_size(tree_nbytes(state))
-        # The previous step's loss goes with this step; it is read only at the policy's next
-        # check (that step is done by then), so a step that cannot save costs no device sync.
-        previous_loss = self._driver.loss if self._pending_loss is None else self._pending_loss
-        self._pending_loss = loss
-        level = max(self._driver.decide_level(step, loss=previous_loss), 2 * force)
-        saved = level > 0
-        preempted = self._preemption.due(step, self._driver.step_time_s)
-        if saved or preempted:
-            level = 2 if preempted else level
-            _saving.write_step(self, step, state, loss, extra, metrics, custom_metadata, level)
-            if self._durable is not None and level == 2:
-                self._durable.offer(step, force=preempted)  # drained once committed
-        if preempted:
-            self._preemption.taken(step, self.wait_until_finished)
-        return saved or preempted
+        return _saving.save_step(self, step, state, loss, force, extra, metrics, custom_metadata)
 
     @property
     def _paths(self) -> tuple[Path, ...]:
@@ -496,7 +468,7 @@ class CheckpointManager:
           TimeoutError: ``timeout_s`` ran out (names the step abandoned).
           Exception: the first error of the above (a failed save's, with the path it names).
         """
-        if timeout_s is not None:
+        if timeout_s is not None:  # checked first: a bad value leaves the manager open
             timeout_s = check_timeout(timeout_s, "timeout_s")
         if not self._closed:
             self._closed = True

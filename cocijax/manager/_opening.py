@@ -31,6 +31,7 @@ from cocijax.core._memory import MemoryOptions, check_memory
 from cocijax.core._preemption import PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
+from cocijax.manager import _saving
 from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
@@ -424,7 +425,7 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
                 _nothing if orbax is None else orbax.close,
                 _nothing if tier is None else tier.close,
                 _nothing if memory is None else memory.close,
-                mngr._release,
+                lambda: _saving.release(mngr),
             )
         raise
 

@@ -16,7 +16,8 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import move_aside
-from cocijax.core._policy_inputs import tree_nbytes
+from cocijax.core._contract import check_step, check_step_order
+from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._session import run_all
 from cocijax.manager._directory import (
     METRICS_ITEM,
@@ -42,6 +43,7 @@ __all__ = [
     "delete_step",
     "local_steps",
     "release",
+    "save_step",
     "settle",
     "tidy",
     "wait_for_removals",
@@ -51,6 +53,41 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def save_step(
+    mngr: CheckpointManager,
+    step: Any,
+    state: Any,
+    loss: Any,
+    force: bool,
+    extra: dict[str, Any] | None,
+    metrics: dict[str, Any] | None,
+    custom_metadata: dict[str, Any] | None,
+) -> bool:
+    """:meth:`CheckpointManager.save` once the manager is known open (its contract)."""
+    if mngr._read_only:
+        raise ValueError(f"save: {mngr._directory} was opened with read_only options.")
+    step = check_step(step)
+    check_step_order(step, mngr._latest_saved, mngr._driver.step, mngr._directory)
+    loss = stage_loss(loss)
+    if mngr._driver.wants_state_size:  # once: the cost assumed until a save is timed
+        mngr._driver.state_size(tree_nbytes(state))
+    # The previous step's loss goes with this step; it is read only at the policy's next
+    # check (that step is done by then), so a step that cannot save costs no device sync.
+    previous_loss = mngr._driver.loss if mngr._pending_loss is None else mngr._pending_loss
+    mngr._pending_loss = loss
+    level = max(mngr._driver.decide_level(step, loss=previous_loss), 2 * force)
+    saved = level > 0
+    preempted = mngr._preemption.due(step, mngr._driver.step_time_s)
+    if saved or preempted:
+        level = 2 if preempted else level
+        write_step(mngr, step, state, loss, extra, metrics, custom_metadata, level)
+        if mngr._durable is not None and level == 2:
+            mngr._durable.offer(step, force=preempted)  # drained once committed
+    if preempted:
+        mngr._preemption.taken(step, mngr.wait_until_finished)
+    return saved or preempted
 
 
 def write_step(
@@ -361,7 +398,7 @@ def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
         (lambda: None) if mngr._copy is None else mngr._copy.close,
         (lambda: None) if mngr._memory is None else mngr._memory.close,
         mngr._preemption.watcher.uninstall,
-        mngr._release,
+        lambda: release(mngr),
     )
 
 
