@@ -354,7 +354,8 @@ def test_the_history_tells_a_process_failure_from_a_machine_failure(tmp_path, me
     second.adopt(None)
     assert (second.failures, second.machine_failures, second.failure_class) == (1, 0, PROCESS)
     marker.unlink()  # the machine restarted: the tmpfs is empty
-    third = RunHistory(tmp_path, memory_marker=marker)
+    # A still clock: the uptime below and the one inside class_mtbf_s are the same number.
+    third = RunHistory(tmp_path, memory_marker=marker, clock=lambda: 50.0)
     third.adopt(second.to_json())
     assert (third.failures, third.machine_failures, third.failure_class) == (2, 1, "machine")
     saved = third.to_json()
