@@ -137,6 +137,17 @@ class CheckpointManager:
         space). A state whose two copies do not fit is refused at the first save (a
         ``ValueError`` naming the sizes); with ``memory=True`` the manager warns and saves to
         the disk only.
+      host_local: in a job of several processes (``jax.distributed``), ``directory`` and
+        ``roots`` are this process's own (e.g. a local NVMe disk the others do not see; the
+        same path on each machine, or a path of its own per process); ``durable`` is shared.
+        Each process saves its own copy of what its devices hold, commits and deletes only
+        there, and drains its shards to the durable tier, where process 0 commits the step
+        once every process's shards are there. Opening is collective (every process opens
+        its managers in the same order): the processes agree on the steps every one of them
+        can serve from its own folders or the durable tier, and list only those; a process
+        restarted with empty folders (a replaced host) then restores from the durable tier
+        while the others read their own copies. ``restore`` and ``delete`` are collective too.
+        Tested with 2 processes; see the docs' "Several processes". Ignored with one process.
 
     Raises:
       ValueError: ``directory`` holds something neither cocijax nor Orbax wrote, locations
@@ -182,6 +193,7 @@ class CheckpointManager:
         store_timeout_s: float = 30.0,
         memory: bool | str | os.PathLike[str] | None = None,
         memory_bytes: int | None = None,
+        host_local: bool = False,
     ):
         age = process_age_s()
         opening = _opening.check_arguments(
@@ -193,7 +205,7 @@ class CheckpointManager:
             durable=durable, durable_every=durable_every,
             durable_max_to_keep=durable_max_to_keep, durable_options=durable_options,
             orbax_retention=orbax_retention, store_timeout_s=store_timeout_s, memory=memory,
-            memory_bytes=memory_bytes,
+            memory_bytes=memory_bytes, host_local=host_local,
         )  # fmt: skip
         _opening.open_manager(self, opening, age)
         self._pending_loss: Any = None
@@ -253,7 +265,7 @@ class CheckpointManager:
         read-only manager lists afresh at every call, following a writer in another process."""
         durable = self._durable.steps() if self._durable is not None else []
         local = set(self._local_steps()) | set(self._orbax_steps) | set(self.memory_steps())
-        return sorted(local | set(durable))
+        return sorted((local | set(durable)) - self._hidden)
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""

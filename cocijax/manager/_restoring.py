@@ -127,6 +127,8 @@ def _copies(
     where = f"{mngr.directory}" + (f" or {durable_tier.url}" if durable else "")
     where += f" or {mngr._memory.path}" if memory else ""
     tiers = {"memory": memory, "local": local, "orbax": orbax, "durable": durable}
+    # Host-local: a step some process cannot serve is not restored by any (see _hosts).
+    tiers = {name: [s for s in steps if s not in mngr._hidden] for name, steps in tiers.items()}
     copies = restore_order(step, tiers, fallback=fallback or bool(memory), where=where)
     if fallback or not memory:
         return copies

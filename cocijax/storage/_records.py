@@ -154,6 +154,9 @@ class Manifest:
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.
       custom_metadata: the JSON value given as ``StripedSave(custom_metadata=...)``, or None.
+      holder: a host-local manifest: the index of the process whose local copy this is; its
+        pieces cover that process's addressable shards only, not the whole tree. ``None``: the
+        pieces cover every leaf.
     """
 
     version: int
@@ -162,6 +165,7 @@ class Manifest:
     leaves: tuple[LeafRecord, ...]
     pieces: tuple[PieceRecord, ...]
     custom_metadata: Any = None
+    holder: int | None = None
 
     def root_dir(
         self, index: int, item_dir: Location, options: Mapping[str, Any] | None = None

@@ -1,0 +1,126 @@
+"""Several processes with local folders of their own (``CheckpointManager(host_local=True)``).
+
+Each process of a ``jax.distributed`` job saves its own copy of what its devices hold into its
+own directory and roots, which the other processes need not see (a machine's NVMe). Each one's
+Orbax manager is then a manager of one process (``primary_host=None``, only itself active, as
+the local managers of Orbax's emergency checkpointing): it commits, lists and deletes its own
+steps. The durable tier is shared: every process drains its own shards there, and process 0
+commits the step once every process's part is there (``_tier_drain``).
+
+What the processes must agree on, they exchange through JAX's distributed key-value store with
+a bound (:func:`exchange`): which steps every process can serve (from its own folders or from
+the durable tier), so that a job whose host was replaced restores the newest step all of them
+can read, the replaced one from the durable tier (:func:`agree_steps`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+__all__ = ["HostsError", "agree_steps", "exchange", "local_options"]
+
+log = logging.getLogger(__name__)
+
+# Exchanges are numbered in the order a process makes them: every process of a job opens and
+# restores its managers in the same order, so the n-th exchange of each meets the others' n-th.
+_EXCHANGES = itertools.count()
+
+
+class HostsError(RuntimeError):
+    """The processes of a job did not agree within the bound (names the processes)."""
+
+
+def local_options(options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManagerOptions:
+    """Orbax options of one process's own manager: it is its own primary, and alone.
+
+    Raises:
+      ValueError: ``options`` already sets ``multiprocessing_options`` (which processes write
+        is what ``host_local`` decides).
+    """
+    given = options.multiprocessing_options
+    if given != ocp.options.MultiprocessingOptions():
+        raise ValueError(
+            "host_local=True: options.multiprocessing_options must be left unset (got "
+            f"{given}): with host_local each process is the only writer of its own directory."
+        )
+    me = jax.process_index()
+    mine = ocp.options.MultiprocessingOptions(
+        primary_host=None,
+        active_processes={me},
+        barrier_sync_key_prefix=f"cocijax-host-{me}",
+    )
+    # The manager makes its directory itself (Orbax refuses to with ``active_processes``).
+    return dataclasses.replace(options, multiprocessing_options=mine, create=False)
+
+
+def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:
+    """Every process's JSON ``payload``, by process index: an all-gather with a bound.
+
+    Through JAX's distributed key-value store (not a device collective), so a process that
+    never arrives makes the others fail within ``timeout_s`` rather than wait for JAX's
+    heartbeat.
+
+    Raises:
+      HostsError: some process gave nothing within ``timeout_s`` (names them and ``what``).
+    """
+    client = ocp.multihost.get_jax_distributed_client()
+    prefix = f"cocijax/hosts/{next(_EXCHANGES)}/"
+    client.key_value_set(prefix + str(jax.process_index()), json.dumps(payload))
+    answers: list[Any] = []
+    missing = []
+    for process in range(jax.process_count()):
+        try:
+            raw = client.blocking_key_value_get(prefix + str(process), int(timeout_s * 1000))
+        except Exception as e:  # XlaRuntimeError: DEADLINE_EXCEEDED, or the service is gone
+            missing.append(f"{process} ({type(e).__name__})")
+            answers.append(None)
+            continue
+        answers.append(json.loads(raw))
+    if missing:
+        raise HostsError(
+            f"{what}: process(es) {', '.join(missing)} gave no answer within {timeout_s:g} s "
+            f"(store_timeout_s); this is process {jax.process_index()} of "
+            f"{jax.process_count()}. Every process must open and restore its managers in the "
+            "same order; a process that died or hangs must be restarted with the job."
+        )
+    return answers
+
+
+def agree_steps(
+    local: Sequence[int], durable: Sequence[int], *, directory: os.PathLike, timeout_s: float
+) -> tuple[set[int], list[set[int]]]:
+    """The steps every process can serve (from its own folders or the durable tier).
+
+    Args:
+      local: this process's committed local steps; ``durable``: the durable tier's.
+
+    Returns:
+      The agreed steps, and each process's own servable steps (by process index).
+
+    Raises:
+      HostsError: a process did not answer within ``timeout_s``.
+    """
+    mine = sorted(set(local) | set(durable))
+    answers = exchange(f"agreeing on the steps of {directory}", mine, timeout_s=timeout_s)
+    each = [set(a) for a in answers]
+    agreed = set.intersection(*each) if each else set()
+    newest = max(set.union(*each), default=None)
+    if newest is not None and newest not in agreed:
+        log.warning(
+            "%s: step %d is not servable by every process (per process: %s): the job resumes "
+            "from step %s, the newest all of them can read",
+            directory,
+            newest,
+            {p: max(s, default=None) for p, s in enumerate(each)},
+            max(agreed, default=None),
+        )
+    return agreed, each

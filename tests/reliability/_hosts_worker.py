@@ -1,0 +1,137 @@
+"""One JAX process of the host-local tests; run as ``python _hosts_worker.py CONFIG_JSON``.
+
+Every process has a local directory of its own (``cfg["dirs"][process]``) and shares the
+durable tier ``cfg["durable"]`` (``CheckpointManager(host_local=True)``); devices are simulated
+(``child_env``), one mesh axis over every device of every process.
+
+``cfg["mode"]``:
+
+* ``"save"``: trains ``cfg["steps"]`` steps of a sharded weight, a replicated bias and their
+  Adam state, saving every second step (the last one forced), then waits for the durable tier.
+  Writes ``<out>/save_<i>.json`` (the steps it lists, its local steps, the durable ones, the
+  regions its devices hold) and process 0 the gathered final state of every saved step to
+  ``<out>/reference_<step>.npz``.
+* ``"restore"``: opens the manager again (the test may have emptied a process's folder: a
+  replaced host), restores the newest step (sharded over this run's devices) and compares every
+  addressable shard with the reference; writes ``<out>/restore_<i>.json`` (the step, the tier it
+  came from, the mismatches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from _mp_worker import _init_distributed, _mesh, _state
+
+
+def _manager(cfg: dict[str, Any], **kwargs: Any):
+    import cocijax as cj
+
+    me = cfg["process_id"]
+    return cj.CheckpointManager(
+        cfg["dirs"][me],
+        roots=[root[me] for root in cfg.get("roots", [])] or None,
+        durable=cfg["durable"],
+        durable_options=cfg.get("durable_options"),
+        durable_every=cfg.get("durable_every", 1),
+        host_local=True,
+        policy=cj.policies.fixed(2),
+        max_to_keep=2,
+        store_timeout_s=cfg.get("timeout_s", 30.0),
+        **kwargs,
+    )
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    import jax
+
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def save(cfg: dict[str, Any]) -> None:
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    me = cfg["process_id"]
+    state, step_fn = _state(_mesh())
+    params, opt_state = state["params"], state["opt_state"]
+    saved = []
+    with _manager(cfg) as mngr:
+        for step in range(1, cfg["steps"] + 1):
+            params, opt_state = step_fn(params, opt_state)
+            current = {"params": params, "opt_state": opt_state}
+            if mngr.save(step, current, loss=1.0 / step, force=step == cfg["steps"]):
+                saved.append(step)
+                # Every process takes part in the gather; process 0 keeps the reference.
+                gathered = multihost_utils.process_allgather(current, tiled=True)
+                if me == 0:
+                    flat = {k: np.asarray(v) for k, v in _flat(gathered).items()}
+                    np.savez(Path(cfg["out"]) / f"reference_{step}.npz", **flat)
+        mngr.wait_until_finished(durable=True)
+        record = {
+            "saved": saved,
+            "steps": mngr.all_steps(),
+            "local": mngr._local_steps(),
+            "durable": mngr._durable.refresh(),
+        }
+    owned = {}
+    for key, leaf in _flat(current).items():
+        owned[key] = sorted(
+            {
+                tuple((s.start or 0, s.stop if s.stop is not None else dim))
+                for s, dim in zip(shard.index, leaf.shape, strict=True)
+            }
+            for shard in leaf.addressable_shards
+        )
+    record["owned"] = {k: [list(map(list, box)) for box in v] for k, v in owned.items()}
+    record["process_count"] = jax.process_count()
+    (Path(cfg["out"]) / f"save_{me}.json").write_text(json.dumps(record))
+
+
+def restore(cfg: dict[str, Any]) -> None:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    me = cfg["process_id"]
+    mesh = _mesh()
+    like, _ = _state(mesh)
+
+    def abstract(leaf):
+        spec = P("x", None) if leaf.ndim == 2 else P()
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    target = jax.tree.map(abstract, like)
+    with _manager(cfg) as mngr:
+        steps = mngr.all_steps()
+        restored = mngr.restore(target=target)
+        step, tier = mngr.restored_step, mngr.restored_tier
+    ref = dict(np.load(Path(cfg["out"]) / f"reference_{step}.npz"))
+    mismatches = []
+    shards = 0
+    for key, leaf in _flat(restored).items():
+        for shard in leaf.addressable_shards:
+            shards += 1
+            if not np.array_equal(np.asarray(shard.data), ref[key][shard.index]):
+                mismatches.append(f"{key} shard {shard.index} differs")
+    record = {"step": step, "tier": tier, "steps": steps, "mismatches": mismatches}
+    record["shards"] = shards
+    (Path(cfg["out"]) / f"restore_{me}.json").write_text(json.dumps(record))
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _init_distributed(cfg)
+    {"save": save, "restore": restore}[cfg["mode"]](cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
