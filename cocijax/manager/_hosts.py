@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["HostsError", "agree_steps", "exchange", "local_options"]
+__all__ = ["HostsError", "agree_steps", "check_host_local", "exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +39,34 @@ class HostsError(RuntimeError):
     """The processes of a job did not agree within the bound (names the processes)."""
 
 
-def local_options(options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManagerOptions:
-    """Orbax options of one process's own manager: it is its own primary, and alone.
+def check_host_local(
+    host_local: bool, options: ocp.CheckpointManagerOptions, memory: Any
+) -> tuple[ocp.CheckpointManagerOptions, bool]:
+    """The Orbax options of a manager with ``host_local``, and whether it is host-local (asked
+    for, with several processes).
+
+    With several processes each process's Orbax manager is its own primary, and alone (as the
+    local managers of Orbax's emergency checkpointing).
 
     Raises:
-      ValueError: ``options`` already sets ``multiprocessing_options`` (which processes write
-        is what ``host_local`` decides).
+      ValueError: ``host_local`` with ``options.multiprocessing_options`` set (which processes
+        write is what ``host_local`` decides), or with a memory tier (not supported yet).
     """
+    if not host_local:
+        return options, False
     given = options.multiprocessing_options
     if given != ocp.options.MultiprocessingOptions():
         raise ValueError(
             "host_local=True: options.multiprocessing_options must be left unset (got "
             f"{given}): with host_local each process is the only writer of its own directory."
         )
+    if memory is not None:
+        raise ValueError(
+            "memory: the memory tier is not supported with host_local=True yet; open without "
+            "memory= (each process's local folder and the durable tier serve)."
+        )
+    if jax.process_count() == 1:
+        return options, False
     me = jax.process_index()
     mine = ocp.options.MultiprocessingOptions(
         primary_host=None,
@@ -59,7 +74,7 @@ def local_options(options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManage
         barrier_sync_key_prefix=f"cocijax-host-{me}",
     )
     # The manager makes its directory itself (Orbax refuses to with ``active_processes``).
-    return dataclasses.replace(options, multiprocessing_options=mine, create=False)
+    return dataclasses.replace(options, multiprocessing_options=mine, create=False), True
 
 
 def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:

@@ -40,7 +40,7 @@ from cocijax.manager._directory import (
     split_best,
 )
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_steps, local_options
+from cocijax.manager._hosts import agree_steps, check_host_local
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -186,14 +186,8 @@ def check_arguments(
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
     memory_options = check_memory(memory, memory_bytes, path)
-    several = host_local and jax.process_count() > 1
+    orbax_options, several = check_host_local(host_local, orbax_options, memory_options)
     if several:
-        if memory_options is not None:
-            raise ValueError(
-                "memory: the memory tier is not supported with host_local=True and several "
-                "processes yet; open without memory= (the local and durable tiers serve)."
-            )
-        orbax_options = local_options(orbax_options)
         handler_options["host_local"] = True
     primary = several or jax.process_index() == (
         orbax_options.multiprocessing_options.primary_host or 0
