@@ -47,7 +47,7 @@ from cocijax.core._contract import (
 from cocijax.core._history import failed_exit, process_age_s
 from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._preemption import Preemption
-from cocijax.manager import _opening, _restoring, _saving
+from cocijax.manager import _hosts, _opening, _restoring, _saving
 from cocijax.manager._directory import STATE_ITEM, checked_once
 
 __all__ = ["CheckpointManager"]
@@ -455,11 +455,25 @@ class CheckpointManager:
           durable: also wait until the committed steps handed to the durable tier are drained
             (or skipped for a newer one), and raise the first drain error since the last call.
 
+        With ``host_local`` and several processes it is collective: once its own save is
+        settled (committed or failed), each process tells the others which steps it can
+        serve, and a step some process could not commit is listed by none (see the docs'
+        "Several processes").
+
         Raises:
           DurableTierError: with ``durable``, a drain failed (names the step and the URL).
+          HostsError: host-local, a process did not answer within ``store_timeout_s``.
         """
         self._check_open()
-        _saving.wait_until_finished(self, durable=durable)
+        if not self._host_local:
+            _saving.wait_until_finished(self, durable=durable)
+            return
+        try:
+            _saving.wait_until_finished(self, durable=durable)
+        finally:  # a process whose save failed takes part too: the others wait for it
+            # A peer may wait up to store_timeout_s more for a drain making no progress.
+            bound = self._store_timeout_s * (2 if durable else 1)
+            _hosts.agree_listed(self, bound, refresh=True)
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save has started and not yet committed (as Orbax's manager answers it).

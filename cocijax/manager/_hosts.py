@@ -21,12 +21,15 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["HostsError", "agree_steps", "check_host_local", "exchange"]
+if TYPE_CHECKING:
+    from cocijax.manager._checkpoint_manager import CheckpointManager
+
+__all__ = ["HostsError", "agree_listed", "agree_steps", "check_host_local", "exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +142,26 @@ def agree_steps(
             max(agreed, default=None),
         )
     return agreed, each
+
+
+def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) -> set[int]:
+    """Hides from ``mngr``'s listing the steps some process cannot serve, so that every process
+    lists the same steps and ``restore()`` resumes all of them from the same one.
+
+    Collective: every process of the job calls it (at opening, and in
+    ``wait_until_finished``). ``refresh`` lists the durable tier again first (another process
+    may have committed or deleted steps there).
+
+    Returns:
+      The steps every process can serve.
+
+    Raises:
+      HostsError: a process did not answer within ``timeout_s``.
+    """
+    mine = set(mngr._local_steps()) | set(mngr._orbax_steps)
+    durable: list[int] = []
+    if mngr._durable is not None:
+        durable = mngr._durable.refreshed_steps() if refresh else mngr._durable.steps()
+    agreed, _ = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
+    mngr._hidden = (mine | set(durable)) - agreed
+    return agreed

@@ -40,7 +40,7 @@ from cocijax.manager._directory import (
     split_best,
 )
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_steps, check_host_local
+from cocijax.manager._hosts import agree_listed, check_host_local
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -347,17 +347,13 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
 
 
 def _agree(mngr: CheckpointManager, timeout_s: float) -> None:
-    """Host-local: hides the steps some process cannot serve, so that every process lists
-    the same steps and ``restore()`` resumes all of them from the same one; then opens the
-    durable tier, draining the newest agreed local step if the tier lacks it (every process
-    its own shards)."""
-    mine = set(mngr._local_steps()) | set(mngr._orbax_steps)
-    durable: list[int] = []
+    """Host-local: the processes agree on the steps all of them can serve (``_hosts``), then
+    the durable tier drains the newest agreed local step if it lacks it (every process its own
+    shards); nothing is drained before they agree."""
     if mngr._durable is not None:
-        mngr._durable.open(None)  # listed; nothing drained before the processes agree
-        durable = mngr._durable.steps()
-    agreed, _ = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
-    mngr._hidden = (mine | set(durable)) - agreed
+        mngr._durable.open(None)
+    agreed = agree_listed(mngr, timeout_s, refresh=False)
+    durable = mngr._durable.steps() if mngr._durable is not None else []
     newest = max(agreed & set(mngr._local_steps()), default=None)
     if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
         mngr._durable.offer(newest, force=True)

@@ -110,8 +110,9 @@ def drain_step(tier: DurableTier, step: int) -> None:
 def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storage.Manifest:
     """The manifest of ``step`` merged from every process's part, once all are on the tier.
 
-    Waits for the parts (the other processes drain their own shards) up to ``timeout_s``
-    without a new one; ``close()`` may abandon the wait meanwhile.
+    Waits for the parts (the other processes drain their own shards) up to half of
+    ``timeout_s`` without a new one, so that this error, naming the processes, comes before
+    ``wait``/``close`` would call the drain stalled (after ``timeout_s`` without progress).
 
     Raises:
       DurableTierError: some process's part did not come in time (names the processes), or
@@ -119,7 +120,7 @@ def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storag
     """
     processes = tier.options.processes
     names = {q: _parts.part_path("", q).name for q in range(processes)}
-    timeout = tier.options.timeout_s or 60.0
+    timeout = (tier.options.timeout_s or 60.0) / 2
     have: dict[int, bytes] = {}
     deadline = time.monotonic() + timeout
     while len(have) < processes:
@@ -135,7 +136,7 @@ def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storag
             missing = sorted(set(names) - set(have))
             raise DurableTierError(
                 f"step {step}: the shards of process(es) {missing} did not reach "
-                f"{state.url} within {timeout:g} s (store_timeout_s) of the last part: not "
+                f"{state.url} within {timeout:g} s (half of store_timeout_s) of the last part: not "
                 "committed on the durable tier (every process's own tier still holds its "
                 "shards); see those processes' logs for their drain's error."
             )

@@ -28,7 +28,7 @@ def test_host_local_refuses_its_own_multiprocessing_options(tmp_path):
     options = ocp.CheckpointManagerOptions(
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=1)
     )
-    with pytest.raises(ValueError, match="host_local=True: options.multiprocessing_options"):
+    with pytest.raises(ValueError, match=r"host_local=True: options\.multiprocessing_options"):
         _open(tmp_path / "ckpt", host_local=True, options=options)
     assert not (tmp_path / "ckpt").exists()
 

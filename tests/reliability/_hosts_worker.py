@@ -15,6 +15,7 @@ durable tier ``cfg["durable"]`` (``CheckpointManager(host_local=True)``); device
   replaced host), restores the newest step (sharded over this run's devices) and compares every
   addressable shard with the reference; writes ``<out>/restore_<i>.json`` (the step, the tier it
   came from, the mismatches).
+* ``"fault"``: one process's local commit of a step fails (see :func:`fault`).
 """
 
 from __future__ import annotations
@@ -125,11 +126,52 @@ def restore(cfg: dict[str, Any]) -> None:
     (Path(cfg["out"]) / f"restore_{me}.json").write_text(json.dumps(record))
 
 
+def _fail_next_commit() -> dict[str, bool]:
+    """Makes this process's next local commit fail (as a full disk would); returns the switch."""
+    from cocijax.storage import _commit
+
+    armed = {"on": False}
+    commit = _commit.Writer.commit
+
+    async def failing(self, directory, snapshot):
+        if armed["on"]:
+            armed["on"] = False
+            raise OSError(28, "No space left on device (injected)", str(directory))
+        return await commit(self, directory, snapshot)
+
+    _commit.Writer.commit = failing
+    return armed
+
+
+def fault(cfg: dict[str, Any]) -> None:
+    """Steps 2 and 4 are saved everywhere; process ``cfg["failing"]``'s local commit of step 6
+    fails; then step 8 is saved everywhere. Writes ``<out>/fault_<i>.json``."""
+    me = cfg["process_id"]
+    armed = _fail_next_commit() if me == cfg["failing"] else {"on": False}
+    state, step_fn = _state(_mesh())
+    params, opt_state = state["params"], state["opt_state"]
+    record: dict[str, Any] = {}
+    with _manager(cfg) as mngr:
+        for step in range(1, 9):
+            params, opt_state = step_fn(params, opt_state)
+            armed["on"] = armed["on"] or (step == 6 and me == cfg["failing"])
+            try:
+                mngr.save(step, {"params": params, "opt_state": opt_state}, loss=1.0)
+                if step in (4, 6, 8):
+                    mngr.wait_until_finished(durable=True)
+            except Exception as e:
+                record[f"error_{step}"] = f"{type(e).__name__}: {e}"
+            if step in (4, 6, 8):
+                record[f"steps_{step}"] = mngr.all_steps()
+        record["durable"] = mngr._durable.refresh()
+    (Path(cfg["out"]) / f"fault_{me}.json").write_text(json.dumps(record))
+
+
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _init_distributed(cfg)
-    {"save": save, "restore": restore}[cfg["mode"]](cfg)
+    {"save": save, "restore": restore, "fault": fault}[cfg["mode"]](cfg)
     return 0
 
 

@@ -26,26 +26,26 @@ from cocijax import storage
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-multiprocess")]
 
-PROCESSES = 2
-DEVICES = 8  # in all: 4 per process
+DEVICES = 8  # in all, over the processes
 
 
-def _launch(cfg: dict[str, Any], timeout: float = 240.0) -> None:
-    """Runs the workers together; fails with their stderr if any fails."""
+def _launch(cfg: dict[str, Any], timeout: float = 300.0) -> None:
+    """Runs ``len(cfg["dirs"])`` workers together; fails with their stderr if any fails."""
     port = free_port()
+    n = len(cfg["dirs"])
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
                 str(HERE / "_hosts_worker.py"),
-                json.dumps({**cfg, "num_processes": PROCESSES, "process_id": i, "port": port}),
+                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
             ],
-            env=child_env(DEVICES // PROCESSES),
+            env=child_env(DEVICES // n),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(PROCESSES)
+        for i in range(n)
     ]
     errors = []
     try:
@@ -61,21 +61,22 @@ def _launch(cfg: dict[str, Any], timeout: float = 240.0) -> None:
     assert not errors, "\n".join(errors)
 
 
-def _records(out: Path, name: str) -> list[dict[str, Any]]:
-    return [json.loads((out / f"{name}_{i}.json").read_text()) for i in range(PROCESSES)]
+def _records(cfg: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    out = Path(cfg["out"])
+    return [json.loads((out / f"{name}_{i}.json").read_text()) for i in range(len(cfg["dirs"]))]
 
 
-def _config(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+def _config(tmp_path: Path, processes: int = 2, **extra: Any) -> dict[str, Any]:
     out = tmp_path / "out"
     out.mkdir()
-    dirs = [str(tmp_path / f"host{i}" / "ckpt") for i in range(PROCESSES)]
+    dirs = [str(tmp_path / f"host{i}" / "ckpt") for i in range(processes)]
     return {"dirs": dirs, "durable": str(tmp_path / "durable"), "out": str(out), **extra}
 
 
 def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -> None:
     cfg = _config(tmp_path, steps=6)
     _launch({**cfg, "mode": "save"})
-    saves = _records(Path(cfg["out"]), "save")
+    saves = _records(cfg, "save")
     assert saves[0]["saved"] == saves[1]["saved"] == [2, 4, 6]
     for i, rec in enumerate(saves):
         # Per-process retention (max_to_keep=2): each process deleted in its own folder.
@@ -104,21 +105,50 @@ def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -
     assert storage.verify(item_dir(cfg["durable"], 6)) == []
 
 
-def test_a_replaced_host_restores_from_the_durable_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("processes", "durable"),
+    [(2, "path"), (2, "s3"), pytest.param(4, "path", marks=pytest.mark.long)],
+)
+def test_a_replaced_host_restores_from_the_durable_tier(
+    tmp_path: Path, request: pytest.FixtureRequest, processes: int, durable: str
+) -> None:
     # Every second saved step is drained: the durable tier gets step 4, not 6, so the newest
-    # step every process can serve after process 1 loses its folder is 4 (process 0 still has
-    # 6 locally; restoring it alone would leave the processes on different steps).
-    cfg = _config(tmp_path, steps=6, durable_every=2)
+    # step every process can serve after process 1 loses its folder is 4 (the others still
+    # have 6 locally; restoring it there would leave the processes on different steps).
+    cfg = _config(tmp_path, processes, steps=6, durable_every=2)
+    if durable == "s3":
+        s3 = request.getfixturevalue("s3")
+        cfg.update(durable=s3.url("run"), durable_options=s3.options)
     _launch({**cfg, "mode": "save"})
-    saves = _records(Path(cfg["out"]), "save")
+    saves = _records(cfg, "save")
     assert saves[0]["durable"] == [4]
-    assert saves[0]["local"] == saves[1]["local"] == [4, 6]
+    assert all(rec["local"] == [4, 6] for rec in saves), saves
 
     shutil.rmtree(Path(cfg["dirs"][1]).parent)  # a new machine: empty local folders
     _launch({**cfg, "mode": "restore"})
-    restores = _records(Path(cfg["out"]), "restore")
-    assert [r["step"] for r in restores] == [4, 4]
-    assert [r["tier"] for r in restores] == ["local", "durable"]
-    assert restores[0]["steps"] == restores[1]["steps"] == [4]
+    restores = _records(cfg, "restore")
+    assert [r["step"] for r in restores] == [4] * processes
+    tiers = ["local"] * processes
+    tiers[1] = "durable"
+    assert [r["tier"] for r in restores] == tiers
+    assert all(r["steps"] == [4] for r in restores), restores
     for r in restores:
         assert r["mismatches"] == [] and r["shards"] > 0, r
+
+
+def test_a_step_one_process_could_not_commit_is_listed_by_none(tmp_path: Path) -> None:
+    # Process 1's local commit of step 6 fails (a full disk): its wait raises that; process
+    # 0's durable drain of step 6 never gets process 1's shards and commits nothing; once they
+    # exchanged what they hold, neither lists step 6. The job goes on: step 8 is saved and
+    # drained everywhere, and the part process 0 drained of step 6 is collected.
+    cfg = _config(tmp_path, failing=1, timeout_s=5.0)
+    _launch({**cfg, "mode": "fault"})
+    faults = _records(cfg, "fault")
+    assert "No space left on device (injected)" in faults[1]["error_6"], faults[1]
+    assert "DurableTierError" in faults[0]["error_6"], faults[0]
+    assert "process(es) [1]" in faults[0]["error_6"], faults[0]
+    assert [f["steps_6"] for f in faults] == [[2, 4]] * 2, faults
+    assert all("error_8" not in f for f in faults), faults
+    assert [f["steps_8"] for f in faults] == [[2, 4, 8]] * 2, faults
+    assert faults[0]["durable"] == [2, 4, 8]
+    assert not (Path(cfg["durable"]) / "6").exists()

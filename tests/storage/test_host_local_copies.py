@@ -65,7 +65,7 @@ def test_a_copy_restores_only_what_it_holds(tmp_path: Path) -> None:
     copy = dataclasses.replace(
         whole,
         holder=1,
-        pieces=tuple(p for p in whole.pieces if p is not w) + (_half(w, 4, 8, 1),),
+        pieces=(*(p for p in whole.pieces if p is not w), _half(w, 4, 8, 1)),
     )
     write_manifest(item, copy)  # no coverage check for a copy of one process's shards
     with ocp.Checkpointer(storage.StripedCheckpointHandler()) as ckptr:
