@@ -33,8 +33,9 @@ __all__ = ["HostsError", "agree_listed", "agree_steps", "check_host_local", "exc
 
 log = logging.getLogger(__name__)
 
-# Exchanges are numbered in the order a process makes them: every process of a job opens and
-# restores its managers in the same order, so the n-th exchange of each meets the others' n-th.
+# Exchanges are numbered in the order a process makes them: every process of a job opens its
+# managers and waits for them in the same order, so the n-th exchange of each meets the
+# others' n-th.
 _EXCHANGES = itertools.count()
 
 
@@ -107,22 +108,23 @@ def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:
         raise HostsError(
             f"{what}: process(es) {', '.join(missing)} gave no answer within {timeout_s:g} s "
             f"(store_timeout_s); this is process {jax.process_index()} of "
-            f"{jax.process_count()}. Every process must open and restore its managers in the "
-            "same order; a process that died or hangs must be restarted with the job."
+            f"{jax.process_count()}. Every process must open its managers and call "
+            "wait_until_finished in the same order; a process that died or hangs must be "
+            "restarted with the job."
         )
     return answers
 
 
 def agree_steps(
     local: Sequence[int], durable: Sequence[int], *, directory: os.PathLike, timeout_s: float
-) -> tuple[set[int], list[set[int]]]:
+) -> set[int]:
     """The steps every process can serve (from its own folders or the durable tier).
 
     Args:
       local: this process's committed local steps; ``durable``: the durable tier's.
 
     Returns:
-      The agreed steps, and each process's own servable steps (by process index).
+      The steps every process can serve; the newest step some process lacks is logged.
 
     Raises:
       HostsError: a process did not answer within ``timeout_s``.
@@ -141,7 +143,7 @@ def agree_steps(
             {p: max(s, default=None) for p, s in enumerate(each)},
             max(agreed, default=None),
         )
-    return agreed, each
+    return agreed
 
 
 def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) -> set[int]:
@@ -162,6 +164,6 @@ def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) ->
     durable: list[int] = []
     if mngr._durable is not None:
         durable = mngr._durable.refreshed_steps() if refresh else mngr._durable.steps()
-    agreed, _ = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
+    agreed = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
     mngr._hidden = (mine | set(durable)) - agreed
     return agreed

@@ -5,12 +5,17 @@ committed on the durable tier when its state manifest exists, and that object is
 every other object of the step (the step's record last but one), and only while this writer
 holds the tier's lease. A drain never replaces a step another writer committed there, and a
 failed drain removes what it wrote at once.
+
+Host-local processes (``DurableOptions.process`` set) each copy their own pieces and write their
+manifest part (``cocijax_manifest.part-<process>.json``); process 0 also copies the step's other
+files, waits for every part and commits the manifest merged from them (``_parts.merge``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cocijax import storage
@@ -41,9 +46,13 @@ class AlreadyCommitted(Exception):
 def drain_step(tier: DurableTier, step: int) -> None:
     """Copies the committed local ``step`` to the durable tier, its manifest last (the commit).
 
+    Host-local, a process other than 0 copies its pieces and its manifest part only; process 0
+    commits once every part is there.
+
     Raises:
       AlreadyCommitted: another writer committed the step there already (not replaced).
-      DurableTierError: abandoned by ``close()``, or the lease was lost (nothing committed).
+      DurableTierError: abandoned by ``close()``, the lease was lost, or (host-local) another
+        process's part did not come in time (nothing committed).
     """
     start = tier.options.clock()
     source = tier._local_step(step)
@@ -53,16 +62,8 @@ def drain_step(tier: DurableTier, step: int) -> None:
     host = tier.options.process
     if host is None and dest.list():  # an interrupted drain's objects, never committed
         dest.delete_all()  # (host-local: other processes' parts are there: left alone)
-    others = {}
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
-        rel = path.relative_to(source)
-        if rel.parts[0] == STATE_ITEM and (
-            rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
-        ):
-            continue  # the state's pieces and manifest: copy_item's, manifest last
-        others[rel.as_posix()] = path.read_bytes()
-    if host not in (None, 0):
-        others = {}  # the step's other files (the policy's state, Orbax's) are process 0's
+    # The step's other files (the policy's state, Orbax's): process 0's copy, host-local.
+    others = _other_files(source) if host in (None, 0) else {}
     dest.write_many(others)
     tier._touch()
     copied = storage.copy_item(
@@ -105,6 +106,20 @@ def drain_step(tier: DurableTier, step: int) -> None:
         len(others),
         elapsed,
     )
+
+
+def _other_files(source: Path) -> dict[str, bytes]:
+    """The files of the local step ``source`` besides the state's pieces and manifest (which
+    ``copy_item`` copies, the manifest last), by path relative to it."""
+    others = {}
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        rel = path.relative_to(source)
+        if rel.parts[0] == STATE_ITEM and (
+            rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
+        ):
+            continue
+        others[rel.as_posix()] = path.read_bytes()
+    return others
 
 
 def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storage.Manifest:

@@ -18,6 +18,11 @@ already committed by another writer is never replaced: its drain is skipped, log
 A drain that fails removes its own uncommitted prefix at once (a full store that empties
 again costs that drain, not every later one); errors that may pass are retried with backoff.
 
+**Host-local processes** (``DurableOptions.process``): every process drains its own shards and
+its manifest part into the step's prefix; process 0 alone holds the lease, commits the step
+once every part is there (``_tier_drain``) and deletes. Its garbage collection leaves the
+uncommitted prefixes newer than the newest committed step: other processes may still drain.
+
 **Unknown is not empty.** A tier that cannot be listed when the manager opens raises
 :class:`DurableTierError`: its steps may be newer than the local ones. Afterwards a failed
 listing keeps the last one (a bucket that is gone lists as empty), a drain that fails lists the
