@@ -16,6 +16,7 @@ durable tier ``cfg["durable"]`` (``CheckpointManager(host_local=True)``); device
   addressable shard with the reference; writes ``<out>/restore_<i>.json`` (the step, the tier it
   came from, the mismatches).
 * ``"fault"``: one process's local commit of a step fails (see :func:`fault`).
+* ``"absent"``: only process 0 opens a manager (see :func:`absent`).
 """
 
 from __future__ import annotations
@@ -167,11 +168,34 @@ def fault(cfg: dict[str, Any]) -> None:
     (Path(cfg["out"]) / f"fault_{me}.json").write_text(json.dumps(record))
 
 
+def absent(cfg: dict[str, Any]) -> None:
+    """Process 0 opens a manager; the others never do (a user's bug, or a hung process): its
+    opening must fail within ``cfg["timeout_s"]``. Writes ``<out>/absent_0.json``."""
+    import time
+
+    import jax
+
+    jax.devices()  # every process joins JAX's backend (its start-up waits for all)
+    out = Path(cfg["out"]) / "absent_0.json"
+    if cfg["process_id"] != 0:
+        while not out.exists():  # stays up (the job's other process) until process 0 is done
+            time.sleep(0.05)
+        return
+    start = time.monotonic()
+    try:
+        _manager(cfg).close()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out.write_text(json.dumps({"error": error, "elapsed_s": time.monotonic() - start}))
+
+
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _init_distributed(cfg)
-    {"save": save, "restore": restore, "fault": fault}[cfg["mode"]](cfg)
+    modes = {"save": save, "restore": restore, "fault": fault, "absent": absent}
+    modes[cfg["mode"]](cfg)
     return 0
 
 

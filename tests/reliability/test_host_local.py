@@ -152,3 +152,15 @@ def test_a_step_one_process_could_not_commit_is_listed_by_none(tmp_path: Path) -
     assert [f["steps_8"] for f in faults] == [[2, 4, 8]] * 2, faults
     assert faults[0]["durable"] == [2, 4, 8]
     assert not (Path(cfg["durable"]) / "6").exists()
+
+
+def test_a_process_that_never_opens_makes_the_others_fail_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path, timeout_s=3.0)
+    _launch({**cfg, "mode": "absent"})
+    record = json.loads((Path(cfg["out"]) / "absent_0.json").read_text())
+    assert record["error"] is not None, record
+    assert record["error"].startswith("HostsError: "), record
+    assert "process(es) 1 " in record["error"] and "within 3 s" in record["error"], record
+    assert record["elapsed_s"] < 60, record  # a hang guard: the bound is 3 s
