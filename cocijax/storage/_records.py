@@ -40,6 +40,11 @@ class CheckpointFormatError(ValueError):
     """The manifest is missing, is not valid JSON, or was not written by cocijax."""
 
 
+class RegionNotHeldError(CheckpointFormatError):
+    """A host-local copy (``Manifest.holder``) does not hold a region the restore needs: it
+    holds one process's shards only. Not damage: another copy of the step may hold it."""
+
+
 class CorruptCheckpointError(RuntimeError):
     """A piece named by the manifest is missing, truncated or fails its checksum."""
 

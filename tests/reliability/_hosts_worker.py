@@ -12,7 +12,8 @@ durable tier ``cfg["durable"]`` (``CheckpointManager(host_local=True)``); device
   regions its devices hold) and process 0 the gathered final state of every saved step to
   ``<out>/reference_<step>.npz``.
 * ``"restore"``: opens the manager again (the test may have emptied a process's folder: a
-  replaced host), restores the newest step (sharded over this run's devices) and compares every
+  replaced host), restores the newest step (sharded over this run's devices, in reverse order
+  with ``cfg["reverse"]``) and compares every
   addressable shard with the reference; writes ``<out>/restore_<i>.json`` (the step, the tier it
   came from, the mismatches).
 * ``"fault"``: one process's local commit of a step fails (see :func:`fault`).
@@ -98,11 +99,13 @@ def save(cfg: dict[str, Any]) -> None:
 def restore(cfg: dict[str, Any]) -> None:
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     me = cfg["process_id"]
     mesh = _mesh()
+    if cfg.get("reverse"):  # another topology: each process's devices hold others' rows
+        mesh = Mesh(np.array(jax.devices()[::-1]), ("x",))
     like, _ = _state(mesh)
 
     def abstract(leaf):

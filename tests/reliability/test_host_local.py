@@ -104,6 +104,14 @@ def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -
     assert {p.process for p in durable.pieces} == {0, 1}
     assert storage.verify(item_dir(cfg["durable"], 6)) == []
 
+    # Another topology (the devices in reverse order): each process's own copy lacks rows its
+    # devices now hold, so every process reads the step from the durable tier instead.
+    _launch({**cfg, "mode": "restore", "reverse": True})
+    restores = _records(cfg, "restore")
+    assert [(r["step"], r["tier"]) for r in restores] == [(6, "durable")] * 2, restores
+    for r in restores:
+        assert r["mismatches"] == [] and r["shards"] > 0, r
+
 
 @pytest.mark.parametrize(
     ("processes", "durable"),

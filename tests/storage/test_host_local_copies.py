@@ -73,7 +73,7 @@ def test_a_copy_restores_only_what_it_holds(tmp_path: Path) -> None:
             item, args=storage.StripedRestore(partial=True, item={"b": np.zeros(3, np.float32)})
         )
         np.testing.assert_array_equal(restored["b"], np.ones(3, np.float32))
-        with pytest.raises(storage.CheckpointFormatError) as e:
+        with pytest.raises(storage.RegionNotHeldError) as e:
             ckptr.restore(item, args=storage.StripedRestore())
     message = str(e.value)
     assert "['w']" in message and "[0, 0]..[8, 2]" in message and "process 1" in message
