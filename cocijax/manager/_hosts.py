@@ -77,8 +77,19 @@ def check_host_local(
         active_processes={me},
         barrier_sync_key_prefix=f"cocijax-host-{me}",
     )
+    # Orbax signals "directories created" under a key of the job's distributed key-value store
+    # that names the operation, not the process: one process would take another's signal and
+    # write before its own directory exists (FileExistsError, seen under load). Made in
+    # ``save`` itself instead (a few mkdirs), no signal is needed.
+    sync_dirs = dataclasses.replace(
+        options.async_options or ocp.options.AsyncOptions(),
+        create_directories_asynchronously=False,
+    )
     # The manager makes its directory itself (Orbax refuses to with ``active_processes``).
-    return dataclasses.replace(options, multiprocessing_options=mine, create=False), True
+    local = dataclasses.replace(
+        options, multiprocessing_options=mine, create=False, async_options=sync_dirs
+    )
+    return local, True
 
 
 def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:
