@@ -12,7 +12,9 @@
   follow.
 
 With ``durable=``, the JAX manager keeps a second, durable tier (``_tiers``): committed steps
-are drained there in the background (an object store or a shared file system).
+are drained there in the background (an object store or a shared file system). With
+``host_local=True`` each process of a multi-process job has local folders of its own and the
+durable tier is shared (``_hosts``).
 """
 
 from cocijax.core._contract import (
@@ -24,6 +26,7 @@ from cocijax.core._contract import (
     StepMismatchError,
 )
 from cocijax.manager._checkpoint_manager import CheckpointManager
+from cocijax.manager._hosts import HostsError
 from cocijax.manager._save_decision import SaveDecisionPolicy
 from cocijax.manager._tiers import DurableTierError
 
@@ -31,6 +34,7 @@ __all__ = [
     "CheckpointManager",
     "DirectoryLockedError",
     "DurableTierError",
+    "HostsError",
     "ManagerClosedError",
     "ManagerProtocol",
     "Measurements",

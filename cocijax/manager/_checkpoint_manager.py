@@ -60,23 +60,22 @@ class CheckpointManager:
 
     Call :meth:`save` after every training step; it returns True when it started a save.
 
-    The manager measures what the policy needs itself: the step time (between ``save`` calls,
-    minus a save's blocking time; the first step after opening or a restore, which compiles,
-    is not timed), the checkpoint cost (a save's blocking time; until one is timed, a cost from
-    the state's size, and the first timed step is saved to measure it), the loss one step late
-    (``loss`` may be an unfinished ``jax.Array``: a step that does not save never waits for the
-    device), and the job's failure rate and recovery time, learned from the directory's
-    history (a run that did not close, or left its ``with`` block by an exception, counts one
-    failure). These and the policy state are saved with every checkpoint and reloaded on open
-    and by :meth:`restore`, so a restarted job continues its schedule. A policy that knows the
-    job's ``total_steps`` saves the last step; otherwise pass ``force=True`` at the last step.
-    See :mod:`cocijax.core` and the docs' "Managers and tiers".
+    The manager measures what the policy needs: the step time (between ``save`` calls, less a
+    save's blocking; not the first step after opening or a restore, which compiles), the
+    checkpoint cost (a save's blocking; until one is timed, a cost from the state's size, and
+    the first timed step is saved to measure it), the loss one step late (``loss`` may be an
+    unfinished ``jax.Array``: a step that does not save never waits for the device), and the
+    failure rate and recovery time learned from the directory's history (a run that did not
+    close, or left its ``with`` block by an exception, is a failure). These and the policy
+    state are saved with every checkpoint, so a restarted job continues its schedule. A policy
+    that knows ``total_steps`` saves the last step; otherwise pass ``force=True`` there. See
+    :mod:`cocijax.core` and the docs' "Managers and tiers".
 
     **Preemption.** While the manager is open, ``preemption_signals`` (default SIGTERM) are
-    caught; the next :meth:`save` saves its step whatever the policy says and waits for the
-    commit; then the job ends as the signal would have ended it (``exit_on_preemption``). In a
-    multi-process job every process calls ``save`` and takes the same decisions (process 0's
-    measurements are broadcast); only the primary process deletes anything.
+    caught; the next :meth:`save` saves its step and waits for the commit; then the job ends
+    as the signal would have ended it (``exit_on_preemption``). In a multi-process job every
+    process calls ``save`` and takes the same decisions (process 0's measurements are
+    broadcast).
 
     Args:
       directory: where Orbax keeps step directories (created if missing).
@@ -136,13 +135,16 @@ class CheckpointManager:
         space). A state whose two copies do not fit is refused at the first save (a
         ``ValueError`` naming the sizes); with ``memory=True`` the manager warns and saves to
         the disk only.
-      compilation_cache: reuse compiled programs across restarts: True keeps JAX's persistent
-        compilation cache in ``<directory>/.cocijax-compile-cache`` (hidden: not a step, not
-        copied to the tiers), a folder keeps it there. Set when the manager is built, so only
-        programs compiled afterwards are cached: build the manager before jitting the training
-        step. A cache folder set already (``jax_compilation_cache_dir``) is kept, with a
-        warning. Small programs are cached too (JAX's minimum compile time, 1 s by default, is
-        lowered to 0 unless set).
+      compilation_cache: True keeps JAX's persistent compilation cache in
+        ``<directory>/.cocijax-compile-cache`` (hidden: not a step), a folder keeps it there, so
+        that a restart reuses the programs compiled after the manager was built (build it
+        before jitting the training step). A cache folder set already is kept, with a warning.
+      host_local: several processes (``jax.distributed``), each with folders of its own:
+        ``directory`` and ``roots`` are this process's (e.g. a local disk), ``durable`` is
+        shared. Each process commits and deletes its own shards there and drains them to the
+        durable tier. Opening, ``restore``, ``delete`` and ``wait_until_finished`` are
+        collective: the processes list only the steps every one can serve, so a replaced host
+        restores from the durable tier. See the docs' "Several processes".
 
     Raises:
       ValueError: ``directory`` holds something neither cocijax nor Orbax wrote, locations
@@ -189,6 +191,7 @@ class CheckpointManager:
         memory: bool | str | os.PathLike[str] | None = None,
         memory_bytes: int | None = None,
         compilation_cache: bool | str | os.PathLike[str] | None = None,
+        host_local: bool = False,
     ):
         age = process_age_s()
         opening = _opening.check_arguments(
@@ -200,7 +203,7 @@ class CheckpointManager:
             durable=durable, durable_every=durable_every,
             durable_max_to_keep=durable_max_to_keep, durable_options=durable_options,
             orbax_retention=orbax_retention, store_timeout_s=store_timeout_s, memory=memory,
-            memory_bytes=memory_bytes,
+            memory_bytes=memory_bytes, host_local=host_local,
         )  # fmt: skip
         cache = check_compilation_cache(compilation_cache, opening.directory)
         if cache is not None:  # before the opening, whose policy compiles its decision
@@ -222,8 +225,7 @@ class CheckpointManager:
 
     @property
     def roots(self) -> tuple[Path | storage.KvPath, ...]:
-        """The external storage roots (empty when the data lives in the step directories);
-        ``KvPath`` for object-store roots."""
+        """The external storage roots (``KvPath`` for object stores; none: in the steps)."""
         return self._roots
 
     @property
@@ -241,8 +243,7 @@ class CheckpointManager:
 
     @property
     def restored_tier(self) -> str | None:
-        """Which tier served the last :meth:`restore`: ``"memory"``, ``"local"`` (the disk) or
-        ``"durable"`` (None before one)."""
+        """The tier of the last :meth:`restore`: ``"memory"``, ``"local"`` or ``"durable"``."""
         return self._restored_tier
 
     @property
@@ -257,9 +258,8 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Committed steps of every tier, oldest first (a save in flight is not listed); a
         read-only manager lists afresh at every call, following a writer in another process."""
-        durable = self._durable.steps() if self._durable is not None else []
-        local = set(self._local_steps()) | set(self._orbax_steps) | set(self.memory_steps())
-        return sorted(local | set(durable))
+        tiers = (self._local_steps(), self._orbax_steps, self.memory_steps(), self.durable_steps())
+        return sorted(set().union(*tiers) - self._hidden)
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""
@@ -274,9 +274,8 @@ class CheckpointManager:
         return _saving.local_steps(self)
 
     def latest_step(self) -> int | None:
-        """The newest committed step of either tier, or None."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        """The newest committed step of any tier, or None."""
+        return max(self.all_steps(), default=None)
 
     def item_directory(self, step: int) -> Path:
         """The directory of the ``state`` item of ``step`` (holds the cocijax manifest)."""
@@ -336,7 +335,7 @@ class CheckpointManager:
         """Where this manager writes: an error naming any path below these says where it is."""
         return (self._directory, *self._roots)
 
-    def _step_dir(self, step: int | None) -> Path:
+    def _step_dir(self, step: int | None) -> Path:  # what an error names
         return self._directory if step is None else self._directory / str(step)
 
     # -- restore ----------------------------------------------------------------------------
@@ -428,9 +427,13 @@ class CheckpointManager:
           durable: also wait until the committed steps handed to the durable tier are drained
             (or skipped for a newer one), and raise the first drain error since the last call.
 
+        With ``host_local`` it is collective: a step some process could not commit is then
+        listed by none.
+
         Raises:
           DurableTierError: with ``durable``, a drain failed (names the step and the URL).
           TimeoutError: a disk copy made no progress for ``store_timeout_s`` (names the step).
+          HostsError: host-local, a process did not answer within ``store_timeout_s``.
         """
         self._check_open()
         _saving.wait_until_finished(self, durable=durable)

@@ -44,6 +44,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
+from cocijax.manager._hosts import agree_listed, check_host_local
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -97,6 +98,7 @@ class Opening:
       store_timeout_s: the bound on waits for an object store.
       clock: the manager's monotonic clock.
       memory: the memory tier's options (not opened yet), or None.
+      host_local: each process has its own directory and roots (``_hosts``).
     """
 
     directory: Path
@@ -112,6 +114,7 @@ class Opening:
     store_timeout_s: float
     clock: Callable[[], float]
     memory: MemoryOptions | None = None
+    host_local: bool = False
 
     @property
     def primary_host(self) -> int | None:
@@ -119,8 +122,9 @@ class Opening:
 
     @property
     def primary(self) -> bool:
-        """This process deletes and marks (Orbax's primary host)."""
-        return jax.process_index() == (self.primary_host or 0)
+        """This process deletes and marks (Orbax's primary host; host-local: every process, in
+        its own directory)."""
+        return self.host_local or jax.process_index() == (self.primary_host or 0)
 
 
 def check_arguments(
@@ -148,6 +152,7 @@ def check_arguments(
     store_timeout_s: float,
     memory: Any = None,
     memory_bytes: Any = None,
+    host_local: bool = False,
 ) -> Opening:
     """Checks a :class:`cocijax.CheckpointManager`'s arguments (see its docstring).
 
@@ -162,6 +167,7 @@ def check_arguments(
     for name, value in (
         ("exit_on_preemption", exit_on_preemption),
         ("orbax_retention", orbax_retention),
+        ("host_local", host_local),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {value!r}.")
@@ -183,7 +189,12 @@ def check_arguments(
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
     memory_options = check_memory(memory, memory_bytes, path, processes=jax.process_count())
-    primary = jax.process_index() == (orbax_options.multiprocessing_options.primary_host or 0)
+    orbax_options, several = check_host_local(host_local, orbax_options, memory_options)
+    if several:
+        handler_options["host_local"] = True
+    primary = several or jax.process_index() == (
+        orbax_options.multiprocessing_options.primary_host or 0
+    )
     tier = open_durable(
         durable,
         durable_options,
@@ -195,6 +206,8 @@ def check_arguments(
         writer=not orbax_options.read_only and primary,
         clock=clock,
         timeout_s=store_timeout_s,
+        process=jax.process_index() if several else None,
+        processes=jax.process_count(),
     )
     check_locations(path, manager_roots, None if tier is None else tier.root)
     if not orbax_options.read_only:
@@ -216,6 +229,7 @@ def check_arguments(
         store_timeout_s=store_timeout_s,
         clock=clock,
         memory=memory_options,
+        host_local=several,
     )
 
 
@@ -330,7 +344,9 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         mngr._copy.finish_pending()  # persisted steps a killed run left in memory only
         if mngr._copy.take_committed():
             mngr.orbax.reload()
-    if mngr._durable is not None:
+    if mngr._host_local:
+        _agree(mngr, opening.store_timeout_s)
+    elif mngr._durable is not None:
         mngr._durable.open(max(mngr._local_steps(), default=None))
     latest = mngr.latest_step()
     mngr._history.adopt(None)
@@ -342,6 +358,19 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
     mngr._latest_saved = latest
+
+
+def _agree(mngr: CheckpointManager, timeout_s: float) -> None:
+    """Host-local: the processes agree on the steps all of them can serve (``_hosts``), then
+    the durable tier drains the newest agreed local step if it lacks it (every process its own
+    shards); nothing is drained before they agree."""
+    if mngr._durable is not None:
+        mngr._durable.open(None)
+    agreed = agree_listed(mngr, timeout_s, refresh=False)
+    durable = mngr._durable.steps() if mngr._durable is not None else []
+    newest = max(agreed & set(mngr._local_steps()), default=None)
+    if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
+        mngr._durable.offer(newest, force=True)
 
 
 def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTier:
@@ -375,7 +404,7 @@ def _namespace(mngr: CheckpointManager) -> str | None:
         namespace = None if identity is None else identity.namespace
     else:
         namespace = None
-    if jax.process_count() > 1 and not mngr._read_only:
+    if jax.process_count() > 1 and not mngr._read_only and not mngr._host_local:
         namespace = from_primary(namespace, is_source=mngr._primary)
     return namespace
 
@@ -404,6 +433,8 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
     mngr._async = opening.options.enable_async_checkpointing
     mngr._name_format = opening.options.step_name_format
     mngr._primary = opening.primary
+    mngr._host_local = opening.host_local
+    mngr._hidden: set[int] = set()  # host-local: steps not every process can serve
     mngr._durable = opening.durable  # None without one; opened below
     mngr._memory: MemoryTier | None = None  # opened once the identity is known
     mngr._copy: DiskCopy | None = None  # the memory tier's persisted steps to the disk

@@ -107,6 +107,8 @@ def _copies(
 
     Without ``fallback``, the memory copies of the newest step and of older ones are tried
     before the first copy of another tier (which is the last): a memory copy may be torn.
+    Host-local, every copy of the step is tried in turn: a process's own copy holds its
+    shards only, the durable one every shard.
     """
     if tier not in (None, "memory", "local", "durable"):
         raise ValueError(
@@ -127,10 +129,15 @@ def _copies(
     where = f"{mngr.directory}" + (f" or {durable_tier.url}" if durable else "")
     where += f" or {mngr._memory.path}" if memory else ""
     tiers = {"memory": memory, "local": local, "orbax": orbax, "durable": durable}
-    copies = restore_order(step, tiers, fallback=fallback or bool(memory), where=where)
-    if fallback or not memory:
+    # Host-local: a step some process cannot serve is not restored by any (see _hosts).
+    tiers = {name: [s for s in steps if s not in mngr._hidden] for name, steps in tiers.items()}
+    # A memory copy may be torn, a host-local copy may lack a region another topology needs:
+    # then the step's next copy is tried.
+    several = bool(memory) or mngr._host_local
+    copies = restore_order(step, tiers, fallback=fallback or several, where=where)
+    if fallback or not several:
         return copies
-    if step is not None:  # that step's copies only
+    if step is not None or not memory:  # that step's copies only
         return [c for c in copies if c[0] == copies[0][0]]
     others = [i for i, (_, name) in enumerate(copies) if name != "memory"]
     return copies[: others[0] + 1] if others else copies
@@ -148,6 +155,12 @@ def _restore_first(
     for step, where in copies:
         try:
             restored = restore_items(mngr, step, where, args)
+        except storage.RegionNotHeldError as e:
+            if (step, where) == copies[-1]:
+                raise
+            # Not damage (nothing is set aside): this process's copy holds its own shards only.
+            log.info("restore: step %d: the %s copy does not serve: %s", step, where, e)
+            continue
         except Exception as e:
             # A writer renames a step out of the directory before it removes any of its data,
             # so data missing under a step directory that is still there is damage.

@@ -29,6 +29,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._faults import naming, retry_deletions, wait
 from cocijax.manager._gc import collect_garbage
+from cocijax.manager._hosts import agree_listed
 from cocijax.manager._items import check_custom_metadata, check_extra
 from cocijax.manager._policy_item import PolicyStateSave
 from cocijax.storage._tree import check_tree
@@ -322,13 +323,19 @@ def local_steps(mngr: CheckpointManager) -> list[int]:
 
 def wait_until_finished(mngr: CheckpointManager, *, durable: bool) -> None:
     """:meth:`cocijax.CheckpointManager.wait_until_finished` (see there)."""
-    settle(mngr)
     try:
-        if durable and mngr._durable is not None:
-            mngr._durable.wait(raise_errors=True)
+        settle(mngr)
+        try:
+            if durable and mngr._durable is not None:
+                mngr._durable.wait(raise_errors=True)
+        finally:
+            tidy(mngr)  # after the drains: best-N no longer keeps the steps they pinned
+            wait_for_removals(mngr)
     finally:
-        tidy(mngr)  # after the drains: best-N no longer keeps the steps they pinned
-        wait_for_removals(mngr)
+        if mngr._host_local:  # a process whose save failed takes part too: others wait for it
+            # A peer may wait up to store_timeout_s more for a drain making no progress.
+            bound = mngr._store_timeout_s * (2 if durable else 1)
+            agree_listed(mngr, bound, refresh=True)
 
 
 def delete_step(mngr: CheckpointManager, step: int) -> None:

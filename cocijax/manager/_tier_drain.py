@@ -5,17 +5,24 @@ committed on the durable tier when its state manifest exists, and that object is
 every other object of the step (the step's record last but one), and only while this writer
 holds the tier's lease. A drain never replaces a step another writer committed there, and a
 failed drain removes what it wrote at once.
+
+Host-local processes (``DurableOptions.process`` set) each copy their own pieces and write their
+manifest part (``cocijax_manifest.part-<process>.json``); process 0 also copies the step's other
+files, waits for every part and commits the manifest merged from them (``_parts.merge``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM
 from cocijax.manager._tier_layout import COMMIT_KEY, STEP_FILES, make_record, read_record
 from cocijax.manager._tier_options import DurableTierError
+from cocijax.storage import _codec, _parts
 from cocijax.storage._manifest_io import write_manifest
 from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
 
@@ -27,7 +34,9 @@ __all__ = ["AlreadyCommitted", "clean_failed", "drain_step"]
 log = logging.getLogger(__name__)
 
 # Local files that are the state item's own commit record or data: copied by copy_item.
-_STATE_OWN = (MANIFEST_NAME, "cocijax_manifest.part-")
+_STATE_OWN = (MANIFEST_NAME, _parts.PART_PREFIX)
+# How often process 0 lists the parts of a host-local step that the others still drain.
+_PARTS_POLL_S = 0.05
 
 
 class AlreadyCommitted(Exception):
@@ -37,25 +46,24 @@ class AlreadyCommitted(Exception):
 def drain_step(tier: DurableTier, step: int) -> None:
     """Copies the committed local ``step`` to the durable tier, its manifest last (the commit).
 
+    Host-local, a process other than 0 copies its pieces and its manifest part only; process 0
+    commits once every part is there.
+
     Raises:
       AlreadyCommitted: another writer committed the step there already (not replaced).
-      DurableTierError: abandoned by ``close()``, or the lease was lost (nothing committed).
+      DurableTierError: abandoned by ``close()``, the lease was lost, or (host-local) another
+        process's part did not come in time (nothing committed).
     """
     start = tier.options.clock()
     source = tier._local_step(step)
     dest = tier.root / str(step)
     if (dest / COMMIT_KEY).read_bytes() is not None:
         _skip_committed(tier, step, dest)
-    if dest.list():  # an interrupted drain's objects, never committed: start afresh
-        dest.delete_all()
-    others = {}
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
-        rel = path.relative_to(source)
-        if rel.parts[0] == STATE_ITEM and (
-            rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
-        ):
-            continue  # the state's pieces and manifest: copy_item's, manifest last
-        others[rel.as_posix()] = path.read_bytes()
+    host = tier.options.process
+    if host is None and dest.list():  # an interrupted drain's objects, never committed
+        dest.delete_all()  # (host-local: other processes' parts are there: left alone)
+    # The step's other files (the policy's state, Orbax's): process 0's copy, host-local.
+    others = _other_files(source) if host in (None, 0) else {}
     dest.write_many(others)
     tier._touch()
     copied = storage.copy_item(
@@ -69,6 +77,16 @@ def drain_step(tier: DurableTier, step: int) -> None:
         progress=tier._touch,
     )
     manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
+    if host is not None:
+        # Host-local: this process's part; process 0 commits once every part is there.
+        (dest / STATE_ITEM / _parts.part_path("", host).name).write_bytes(
+            _codec.encode_part(manifest, str(dest / STATE_ITEM))
+        )
+        tier._touch()
+        if host != 0:
+            log.info("%s: process %d's shards of step %d drained", tier.url, host, step)
+            return
+        manifest = _merged_parts(tier, step, dest / STATE_ITEM)
     # The commit: the record, then the state manifest, after every other object is there,
     # and only while this writer holds the lease for longer than the two writes can take.
     if tier._abandoned:
@@ -88,6 +106,60 @@ def drain_step(tier: DurableTier, step: int) -> None:
         len(others),
         elapsed,
     )
+
+
+def _other_files(source: Path) -> dict[str, bytes]:
+    """The files of the local step ``source`` besides the state's pieces and manifest (which
+    ``copy_item`` copies, the manifest last), by path relative to it."""
+    others = {}
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        rel = path.relative_to(source)
+        if rel.parts[0] == STATE_ITEM and (
+            rel.parts[1].startswith(STRIPE_PREFIX) or rel.name.startswith(_STATE_OWN)
+        ):
+            continue
+        others[rel.as_posix()] = path.read_bytes()
+    return others
+
+
+def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storage.Manifest:
+    """The manifest of ``step`` merged from every process's part, once all are on the tier.
+
+    Waits for the parts (the other processes drain their own shards) up to half of
+    ``timeout_s`` without a new one, so that this error, naming the processes, comes before
+    ``wait``/``close`` would call the drain stalled (after ``timeout_s`` without progress).
+
+    Raises:
+      DurableTierError: some process's part did not come in time (names the processes), or
+        the drain was abandoned.
+    """
+    processes = tier.options.processes
+    names = {q: _parts.part_path("", q).name for q in range(processes)}
+    timeout = (tier.options.timeout_s or 60.0) / 2
+    have: dict[int, bytes] = {}
+    deadline = time.monotonic() + timeout
+    while len(have) < processes:
+        for q in [q for q in names if q not in have]:
+            data = (state / names[q]).read_bytes()
+            if data is not None:
+                have[q] = data
+                deadline = time.monotonic() + timeout  # progress: another process's part
+                tier._touch()
+        if len(have) == processes:
+            break
+        if tier._abandoned or time.monotonic() > deadline:
+            missing = sorted(set(names) - set(have))
+            raise DurableTierError(
+                f"step {step}: the shards of process(es) {missing} did not reach "
+                f"{state.url} within {timeout:g} s (half of store_timeout_s) of the last part: not "
+                "committed on the durable tier (every process's own tier still holds its "
+                "shards); see those processes' logs for their drain's error."
+            )
+        time.sleep(_PARTS_POLL_S)
+    return _parts.merge(
+        [(str(state / names[q]), _codec.decode_manifest(have[q], str(state / names[q])))
+         for q in range(processes)]
+    )  # fmt: skip
 
 
 def _skip_committed(tier: DurableTier, step: int, dest: storage.KvPath) -> None:

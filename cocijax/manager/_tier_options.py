@@ -62,6 +62,11 @@ class DurableOptions:
         duration and one ``timeout_s``).
       attempts: tries of one drain when the store fails in a way that may pass.
       backoff_s: the wait before the second try; doubled before each further one.
+      process: host-local (``CheckpointManager(host_local=True)`` with several processes):
+        this process's index. Each process drains its own shards and writes its manifest
+        part; process 0 commits the step once every part is there, and alone holds the
+        lease and deletes. ``None``: one writer drains whole steps.
+      processes: how many processes drain parts (host-local).
     """
 
     local: Path
@@ -79,6 +84,13 @@ class DurableOptions:
     lease_wait_s: float | None = None
     attempts: int = 3
     backoff_s: float = 1.0
+    process: int | None = None
+    processes: int = 1
+
+    @property
+    def committer(self) -> bool:
+        """This writer commits steps, holds the lease and deletes (process 0 if host-local)."""
+        return self.writer and self.process in (None, 0)
 
     @property
     def lease_duration_s(self) -> float:

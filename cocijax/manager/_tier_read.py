@@ -26,12 +26,15 @@ def restore_step(
     step: int,
     items: dict[str, Any],
     store_options: Mapping[str, Any] | None,
+    *,
+    process: int | None = None,
 ) -> Any:
     """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of ``step``.
 
     The step's files other than pieces are downloaded into a temporary directory (and
     checked), removed whatever happens (an interrupt included); the state's pieces are read
-    from the durable tier with ``store_options``.
+    from the durable tier with ``store_options``. With ``process`` (host-local) this process
+    restores alone, with no barrier across processes: the others may restore their own copies.
 
     Raises:
       FileNotFoundError: the step is not committed on the durable tier.
@@ -45,7 +48,14 @@ def restore_step(
             state = dataclasses.replace(items[STATE_ITEM], roots=[pieces])
             items = {**items, STATE_ITEM: state}
         handler = ocp.CompositeCheckpointHandler(handler_registry=_registry(store_options))
-        with ocp.Checkpointer(handler) as checkpointer:
+        alone = ocp.options.MultiprocessingOptions()
+        if process is not None:
+            alone = ocp.options.MultiprocessingOptions(
+                primary_host=None,
+                active_processes={process},
+                barrier_sync_key_prefix=f"cocijax-durable-{process}",
+            )
+        with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
             return checkpointer.restore(local, args=ocp.args.Composite(**items))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

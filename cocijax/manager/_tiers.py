@@ -18,6 +18,11 @@ already committed by another writer is never replaced: its drain is skipped, log
 A drain that fails removes its own uncommitted prefix at once (a full store that empties
 again costs that drain, not every later one); errors that may pass are retried with backoff.
 
+**Host-local processes** (``DurableOptions.process``): every process drains its own shards and
+its manifest part into the step's prefix; process 0 alone holds the lease, commits the step
+once every part is there (``_tier_drain``) and deletes. Its garbage collection leaves the
+uncommitted prefixes newer than the newest committed step: other processes may still drain.
+
 **Unknown is not empty.** A tier that cannot be listed when the manager opens raises
 :class:`DurableTierError`: its steps may be newer than the local ones. Afterwards a failed
 listing keeps the last one (a bucket that is gone lists as empty), a drain that fails lists the
@@ -244,7 +249,8 @@ class DurableTier:
                 self._touch()
             try:
                 if self._wait_for_local_commit(step):
-                    self._acquire_lease(step)
+                    if self.options.committer:
+                        self._acquire_lease(step)
                     self._drain_with_retries(step)
                     self._collect_after_drain()
             except Exception as e:  # any failure is this step's: reported, training goes on
@@ -404,12 +410,15 @@ class DurableTier:
     def collect_garbage(self) -> None:
         """Deletes committed steps beyond ``max_to_keep`` (never the newest) and the prefixes of
         drains that never committed (except the one in progress); only as the lease holder."""
-        if not self.options.writer or not self._lease.held:
+        if not self.options.committer or not self._lease.held:
             return
         committed, incomplete = scan(self.root)
         with self._cond:
             busy = {self._draining, self._offered}
             self._steps = set(committed)
+        if self.options.process is not None:
+            # Host-local: the other processes may still drain their parts of newer steps.
+            busy |= {s for s in incomplete if s > max(committed, default=-1)}
         for step in incomplete:
             if step not in busy:
                 log.info(
@@ -424,9 +433,14 @@ class DurableTier:
     def delete(self, step: int) -> None:
         """Deletes a durable step: its manifest first, so it is never listed without its data.
 
+        Host-local, the shared step is deleted by process 0 only (every process of the job
+        calls ``delete`` alike).
+
         Raises:
           DurableTierError: another writer holds the tier's lease.
         """
+        if self.options.process not in (None, 0):
+            return
         try:
             self._lease.acquire(0)
         except LeaseError as e:
@@ -442,7 +456,9 @@ class DurableTier:
     def restore(self, step: int, items: dict[str, Any]) -> Any:
         """Orbax's restore of ``items`` (a ``Composite``'s args) from the durable copy of
         ``step`` (see :func:`~cocijax.manager._tier_read.restore_step`)."""
-        return restore_step(self.root, step, items, self.options.store_options)
+        return restore_step(
+            self.root, step, items, self.options.store_options, process=self.options.process
+        )
 
 
 def open_durable(

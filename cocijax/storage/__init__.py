@@ -26,6 +26,7 @@ from cocijax.storage._records import (
     Manifest,
     PieceRecord,
     Problem,
+    RegionNotHeldError,
 )
 from cocijax.storage._stripes import remove_tree, unreferenced_stripe_dirs
 from cocijax.storage._tree import UnsupportedLeafError
@@ -40,6 +41,7 @@ __all__ = [
     "Manifest",
     "PieceRecord",
     "Problem",
+    "RegionNotHeldError",
     "StoreTimeoutError",
     "StripedCheckpointHandler",
     "StripedRestore",

@@ -52,6 +52,8 @@ def _to_json(manifest: Manifest) -> dict[str, Any]:
     }
     if manifest.custom_metadata is not None:
         data["custom_metadata"] = manifest.custom_metadata
+    if manifest.holder is not None:  # only when set: a whole manifest reads the same anywhere
+        data["holder"] = manifest.holder
     return data
 
 
@@ -117,6 +119,7 @@ def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
             leaves=leaves,
             pieces=pieces,
             custom_metadata=data.get("custom_metadata"),
+            holder=data.get("holder"),
         )
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
         raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e

@@ -141,7 +141,7 @@ class Writer:
             ]
         )
         # The manifest (or part) is the last thing written: it only names durable pieces.
-        if jax.process_count() == 1:
+        if not _writes_part(self.options):
             # This process's part is the whole manifest: written as such, durably, it leaves
             # ``finalize`` nothing to merge (no part written, read back and parsed again).
             await loop.run_in_executor(
@@ -155,6 +155,7 @@ class Writer:
     ) -> bytes:
         """The bytes of this save's manifest (of this process's part, with several)."""
         checks = iter([c for per_piece in await _io.gather_all(sums) for c in per_piece])
+        multi = jax.process_count() > 1
         records = []
         for piece in snapshot.pieces:
             for chunk, start, stop, offset in piece.members:
@@ -177,8 +178,10 @@ class Writer:
             leaves=tuple(snapshot.leaves),
             pieces=tuple(records),
             custom_metadata=snapshot.custom_metadata,
+            # A host-local copy of several processes: this process's shards only.
+            holder=jax.process_index() if self.options.host_local and multi else None,
         )
-        if jax.process_count() == 1:
+        if not _writes_part(self.options):
             encode = functools.partial(_codec.encode_manifest, directory, part)
         else:  # a part: finalize checks that the parts cover every leaf when it merges them
             where = str(_parts.part_path(directory, jax.process_index()))
@@ -192,3 +195,9 @@ class Writer:
             for p in pieces
             if p.root == root
         }
+
+
+def _writes_part(options: Options) -> bool:
+    """Whether this process writes a manifest part (several processes, one shared item) rather
+    than the whole manifest (one process, or a host-local copy of its own)."""
+    return jax.process_count() > 1 and not options.host_local

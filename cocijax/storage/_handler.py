@@ -76,6 +76,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
         write_while_copying: bool = False,
         multiprocessing_options: options_lib.MultiprocessingOptions | None = None,
         store_timeout_s: float | None = 30.0,
+        host_local: bool = False,
     ):
         """Creates the handler and checks that every root can be written.
 
@@ -118,6 +119,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             answer (``None``: no bound but TensorStore's retries). An unreachable endpoint, a
             missing bucket or missing credentials fail within it, naming the root and the
             cause.
+          host_local: with several processes, each process saves its own copy of what its
+            devices hold (every region once, replicated leaves and numpy leaves included) as
+            a whole item of its own, its manifest marked with its process index (``holder``):
+            for item directories and roots only this process sees (see
+            ``cocijax.CheckpointManager(host_local=True)``). Such a copy restores on the
+            devices it was saved from. ``False``: the processes write the replica-0 shards
+            of one shared item, and the primary process merges their manifest parts.
 
         Raises:
           TypeError: ``roots`` is a single string or path instead of a sequence, or
@@ -141,6 +149,7 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
             primary_host=(
                 multiprocessing_options or options_lib.MultiprocessingOptions()
             ).primary_host,
+            host_local=host_local,
         )
         self._buffers = _io.HostBuffers()
         self._last_layout: _snapshot.SaveLayout | None = None  # of the last save
@@ -242,11 +251,13 @@ class StripedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 piece_bytes=self._options.piece_bytes,
                 small_bytes=self._options.small_bytes,
                 chunk_bytes=self._options.encoding.chunk_bytes,
-                write_numpy=jax.process_index() == (self._options.primary_host or 0),
+                write_numpy=self._options.host_local
+                or jax.process_index() == (self._options.primary_host or 0),
                 pool=self._pool,
                 start_raw=writer.start_raw if self._options.write_while_copying else None,
                 buffers=self._buffers,
                 last=self._last_layout,
+                host_local=self._options.host_local,
             )
         self._last_layout = snapshot.layout
         return snapshot

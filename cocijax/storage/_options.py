@@ -41,6 +41,7 @@ class Options:
     reuse_host_buffers: bool
     write_while_copying: bool
     primary_host: int | None
+    host_local: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("concurrency", 1), ("piece_bytes", 1), ("small_bytes", 0)):

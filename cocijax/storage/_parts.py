@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+from collections.abc import Sequence
 
 from cocijax._files import replace_bytes
 from cocijax.storage._manifest_io import read_manifest_file, write_manifest
@@ -29,11 +30,9 @@ def part_path(item_dir: os.PathLike | str, process: int) -> pathlib.Path:
 
 
 def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
-    """Merges every process's manifest part into the manifest, then removes the parts.
-
-    Leaves come from the lowest process's part (all processes flatten the same tree); pieces are
-    the union of all parts, with root indices remapped by path so processes may list roots in any
-    order. Returns ``None`` when there is nothing to merge (already merged).
+    """Merges every process's manifest part into the manifest (:func:`merge`, lowest process
+    first), then removes the parts. Returns ``None`` when there is nothing to merge (already
+    merged).
 
     Raises:
       CheckpointFormatError: the parts disagree on the tree, some leaf is not fully covered, or
@@ -53,24 +52,45 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         raise CheckpointFormatError(
             f"{item_dir}: no manifest part to merge and no manifest: no process wrote its part."
         )
-    parts = [read_manifest_file(p) for p in part_files]
-    first = parts[0]
+    merged = merge([(str(f), read_manifest_file(f)) for f in part_files])
+    write_manifest(item_dir, merged, remove=part_files)
+    return merged
+
+
+def merge(parts: Sequence[tuple[str, Manifest]]) -> Manifest:
+    """One manifest of the whole tree from every process's ``(source, part)``, lowest first.
+
+    Leaves come from the first part (all processes flatten the same tree); pieces are the union
+    of all parts, with root indices remapped by path so processes may list roots in any order.
+    Host-local parts (``holder`` set) may hold the same region twice (a replicated leaf is in
+    every process's copy): the first part's copy of a region is kept. The result is not checked
+    for coverage: :func:`~cocijax.storage._manifest_io.write_manifest` does that.
+
+    Raises:
+      CheckpointFormatError: the parts disagree on the tree (names both sources).
+    """
+    first_source, first = parts[0]
     roots: list[str | None] = []
     pieces: list[PieceRecord] = []
-    for part, file in zip(parts, part_files, strict=True):
+    held: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for source, part in parts:
         if [(x.path, x.dtype, x.shape) for x in part.leaves] != [
             (x.path, x.dtype, x.shape) for x in first.leaves
         ]:
             raise CheckpointFormatError(
-                f"{file} describes a different tree than {part_files[0]}: every process must "
+                f"{source} describes a different tree than {first_source}: every process must "
                 "save the same pytree structure, shapes and dtypes."
             )
         for piece in part.pieces:
+            region = (piece.leaf, piece.start, piece.stop)
+            if part.holder is not None and region in held:
+                continue
+            held.add(region)
             root = part.roots[piece.root]
             if root not in roots:
                 roots.append(root)
             pieces.append(dataclasses.replace(piece, root=roots.index(root)))
-    merged = Manifest(
+    return Manifest(
         version=VERSION,
         checksum=first.checksum,
         roots=tuple(roots),
@@ -78,8 +98,6 @@ def merge_parts(item_dir: os.PathLike | str) -> Manifest | None:
         pieces=tuple(pieces),
         custom_metadata=first.custom_metadata,
     )
-    write_manifest(item_dir, merged, remove=part_files)
-    return merged
 
 
 def write_part(item_dir: pathlib.Path, process: int, text: bytes) -> None:

@@ -92,6 +92,10 @@ class PieceReader:
         self._full: dict[tuple[int, str], asyncio.Future] = {}
         self._uses: dict[tuple[int, str], int] = {}
 
+    @property
+    def manifest(self) -> Manifest:
+        return self._m
+
     def _error(self, piece: PieceRecord, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"Leaf {_leaf_name(self._m, piece)}: {message} in piece {self.path(piece)}."

@@ -40,6 +40,11 @@ class CheckpointFormatError(ValueError):
     """The manifest is missing, is not valid JSON, or was not written by cocijax."""
 
 
+class RegionNotHeldError(CheckpointFormatError):
+    """A host-local copy (``Manifest.holder``) does not hold a region the restore needs: it
+    holds one process's shards only. Not damage: another copy of the step may hold it."""
+
+
 class CorruptCheckpointError(RuntimeError):
     """A piece named by the manifest is missing, truncated or fails its checksum."""
 
@@ -154,6 +159,9 @@ class Manifest:
       leaves: the tree's leaves in flattening order.
       pieces: every stored region.
       custom_metadata: the JSON value given as ``StripedSave(custom_metadata=...)``, or None.
+      holder: a host-local manifest: the index of the process whose local copy this is; its
+        pieces cover that process's addressable shards only, not the whole tree. ``None``: the
+        pieces cover every leaf.
     """
 
     version: int
@@ -162,6 +170,7 @@ class Manifest:
     leaves: tuple[LeafRecord, ...]
     pieces: tuple[PieceRecord, ...]
     custom_metadata: Any = None
+    holder: int | None = None
 
     def root_dir(
         self, index: int, item_dir: Location, options: Mapping[str, Any] | None = None

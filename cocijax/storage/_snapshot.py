@@ -114,13 +114,15 @@ def _leaf_signature(leaf: Any) -> tuple | type:
 
 
 def describe(
-    flat: Sequence[tuple[Any, Any]], write_numpy: bool
+    flat: Sequence[tuple[Any, Any]], write_numpy: bool, host_local: bool = False
 ) -> tuple[list[LeafRecord], list[_layout.Chunk], list[tuple[int, int | None]], list[bool]]:
     """The manifest records of every leaf, the chunks this process writes, and their sources.
 
     Args:
       flat: ``(key path, leaf)`` pairs (:func:`_tree.flatten`).
       write_numpy: this process writes numpy leaves.
+      host_local: this process writes one copy of every region its devices hold (its own
+        copy, restorable without the other processes) instead of the replica-0 shards only.
 
     Returns:
       The records, the chunks, and per chunk source its ``(leaf index, shard index)`` and
@@ -171,9 +173,11 @@ def describe(
                 sources.append((index, None))
                 on_host.append(host)
         elif isinstance(leaf, jax.Array):
+            written = set()  # host-local: the regions this process writes already
             for shard_index, shard in enumerate(leaf.addressable_shards):
-                if shard.replica_id == 0:
-                    start, stop = _layout.box(shard.index, shape)
+                start, stop = _layout.box(shard.index, shape)
+                if (start, stop) not in written if host_local else shard.replica_id == 0:
+                    written.add((start, stop))
                     chunks.append(_layout.Chunk(index, start, stop, dtype, len(sources)))
                     sources.append((index, shard_index))
                     on_host.append(host)
@@ -192,9 +196,10 @@ def make_layout(
     write_numpy: bool,
     piece_bytes: int,
     small_bytes: int,
+    host_local: bool = False,
 ) -> SaveLayout:
     """Describes the leaves ``flat`` and plans their pieces; ``key`` is their :func:`signature`."""
-    leaves, chunks, sources, on_host = describe(flat, write_numpy)
+    leaves, chunks, sources, on_host = describe(flat, write_numpy, host_local)
     pieces = _layout.lay_out(chunks, num_roots, piece_bytes=piece_bytes, small_bytes=small_bytes)
     inline = tuple(i for i, r in enumerate(leaves) if r.kind in _tree.INLINE_KINDS)
     return SaveLayout(key, tuple(leaves), inline, tuple(sources), tuple(on_host), tuple(pieces))
@@ -233,6 +238,7 @@ def take(
     start_raw: StartRaw | None,
     buffers: _io.HostBuffers,
     last: SaveLayout | None = None,
+    host_local: bool = False,
 ) -> Snapshot:
     """Plans the pieces of ``item`` and copies this process's share to host memory.
 
@@ -248,6 +254,8 @@ def take(
         copied; ``None``: nothing is written before the whole copy is done.
       buffers: where the host memory comes from (``snapshot.owned`` goes back there).
       last: the layout of the previous save (``snapshot.layout``), reused if its signature holds.
+      host_local: this process writes its own copy of what its devices hold (see
+        :func:`describe`).
     """
     flat, treedef = _tree.flatten(item)
     options = dict(
@@ -255,6 +263,7 @@ def take(
         write_numpy=write_numpy,
         piece_bytes=piece_bytes,
         small_bytes=small_bytes,
+        host_local=host_local,
     )
     key = signature(treedef, [leaf for _, leaf in flat], **options)
     layout = (

@@ -22,7 +22,7 @@ from orbax.checkpoint import metadata as ocp_metadata
 
 from cocijax.storage import _layout, _read, _tree
 from cocijax.storage._metadata import logical, sharding_metadata
-from cocijax.storage._records import LeafRecord, PieceRecord
+from cocijax.storage._records import LeafRecord, PieceRecord, RegionNotHeldError
 
 # Leaf target of a restore without a target tree (``None`` is a leaf value of its own).
 NO_TARGET = object()
@@ -156,7 +156,38 @@ def plan_leaf(
     directory: pathlib.Path,
     places: Placements,
 ) -> LeafPlan:
-    """Checks ``target`` against ``record`` and lists the regions to read, before any I/O."""
+    """Checks ``target`` against ``record`` and lists the regions to read, before any I/O.
+
+    Raises:
+      ValueError: the target does not fit the saved leaf (names the leaf).
+      RegionNotHeldError: a host-local manifest (``holder``) does not hold a region this
+        process needs (names the leaf, the region and the process).
+    """
+    plan = _plan(reader, record, target, pieces, directory, places)
+    holder = reader.manifest.holder
+    if holder is None:
+        return plan  # a whole manifest covers every leaf (checked when it was read)
+    for start, stop, parts in plan.requests:
+        # The pieces of one process's copy never overlap: equal volume means full cover.
+        have = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True)) for _, lo, hi in parts)
+        if have != math.prod(b - a for a, b in zip(start, stop, strict=True)):
+            raise RegionNotHeldError(
+                f"Leaf {record.path} in {directory}: region {list(start)}..{list(stop)} is not "
+                f"in this copy, which holds the shards of process {holder} only (a host-local "
+                "copy restores on the devices it was saved from); restore this step from the "
+                "durable tier, or from every process's copy."
+            )
+    return plan
+
+
+def _plan(
+    reader: _read.PieceReader,
+    record: LeafRecord,
+    target: Any,
+    pieces: list[PieceRecord],
+    directory: pathlib.Path,
+    places: Placements,
+) -> LeafPlan:
     if target is ocp.PLACEHOLDER:
         return LeafPlan([], lambda _: ocp.PLACEHOLDER)  # not asked for: not read
     if isinstance(target, ocp_metadata.Metadata):

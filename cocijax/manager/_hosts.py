@@ -1,0 +1,180 @@
+"""Several processes with local folders of their own (``CheckpointManager(host_local=True)``).
+
+Each process of a ``jax.distributed`` job saves its own copy of what its devices hold into its
+own directory and roots, which the other processes need not see (a machine's NVMe). Each one's
+Orbax manager is then a manager of one process (``primary_host=None``, only itself active, as
+the local managers of Orbax's emergency checkpointing): it commits, lists and deletes its own
+steps. The durable tier is shared: every process drains its own shards there, and process 0
+commits the step once every process's part is there (``_tier_drain``).
+
+What the processes must agree on, they exchange through JAX's distributed key-value store with
+a bound (:func:`exchange`): which steps every process can serve (from its own folders or from
+the durable tier), so that a job whose host was replaced restores the newest step all of them
+can read, the replaced one from the durable tier (:func:`agree_steps`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import orbax.checkpoint as ocp
+
+if TYPE_CHECKING:
+    from cocijax.manager._checkpoint_manager import CheckpointManager
+
+__all__ = ["HostsError", "agree_listed", "agree_steps", "check_host_local", "exchange"]
+
+log = logging.getLogger(__name__)
+
+# Exchanges are numbered in the order a process makes them: every process of a job opens its
+# managers and waits for them in the same order, so the n-th exchange of each meets the
+# others' n-th.
+_EXCHANGES = itertools.count()
+
+
+class HostsError(RuntimeError):
+    """The processes of a job did not agree within the bound (names the processes)."""
+
+
+def check_host_local(
+    host_local: bool, options: ocp.CheckpointManagerOptions, memory: Any
+) -> tuple[ocp.CheckpointManagerOptions, bool]:
+    """The Orbax options of a manager with ``host_local``, and whether it is host-local (asked
+    for, with several processes).
+
+    With several processes each process's Orbax manager is its own primary, and alone (as the
+    local managers of Orbax's emergency checkpointing).
+
+    Raises:
+      ValueError: ``host_local`` with ``options.multiprocessing_options`` set (which processes
+        write is what ``host_local`` decides), or with a memory tier (not supported yet).
+    """
+    if not host_local:
+        return options, False
+    given = options.multiprocessing_options
+    if given != ocp.options.MultiprocessingOptions():
+        raise ValueError(
+            "host_local=True: options.multiprocessing_options must be left unset (got "
+            f"{given}): with host_local each process is the only writer of its own directory."
+        )
+    if memory is not None:
+        raise ValueError(
+            "memory: the memory tier is not supported with host_local=True yet; open without "
+            "memory= (each process's local folder and the durable tier serve)."
+        )
+    if jax.process_count() == 1:
+        return options, False
+    me = jax.process_index()
+    mine = ocp.options.MultiprocessingOptions(
+        primary_host=None,
+        active_processes={me},
+        barrier_sync_key_prefix=f"cocijax-host-{me}",
+    )
+    # Orbax signals "directories created" under a key of the job's distributed key-value store
+    # that names the operation, not the process: one process would take another's signal and
+    # write before its own directory exists (FileExistsError, seen under load). Made in
+    # ``save`` itself instead (a few mkdirs), no signal is needed.
+    sync_dirs = dataclasses.replace(
+        options.async_options or ocp.options.AsyncOptions(),
+        create_directories_asynchronously=False,
+    )
+    # The manager makes its directory itself (Orbax refuses to with ``active_processes``).
+    local = dataclasses.replace(
+        options, multiprocessing_options=mine, create=False, async_options=sync_dirs
+    )
+    return local, True
+
+
+def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:
+    """Every process's JSON ``payload``, by process index: an all-gather with a bound.
+
+    Through JAX's distributed key-value store (not a device collective), so a process that
+    never arrives makes the others fail within ``timeout_s`` rather than wait for JAX's
+    heartbeat.
+
+    Raises:
+      HostsError: some process gave nothing within ``timeout_s`` (names them and ``what``).
+    """
+    client = ocp.multihost.get_jax_distributed_client()
+    prefix = f"cocijax/hosts/{next(_EXCHANGES)}/"
+    client.key_value_set(prefix + str(jax.process_index()), json.dumps(payload))
+    answers: list[Any] = []
+    missing = []
+    for process in range(jax.process_count()):
+        try:
+            raw = client.blocking_key_value_get(prefix + str(process), int(timeout_s * 1000))
+        except Exception as e:  # XlaRuntimeError: DEADLINE_EXCEEDED, or the service is gone
+            missing.append(f"{process} ({type(e).__name__})")
+            answers.append(None)
+            continue
+        answers.append(json.loads(raw))
+    if missing:
+        raise HostsError(
+            f"{what}: process(es) {', '.join(missing)} gave no answer within {timeout_s:g} s "
+            f"(store_timeout_s); this is process {jax.process_index()} of "
+            f"{jax.process_count()}. Every process must open its managers and call "
+            "wait_until_finished in the same order; a process that died or hangs must be "
+            "restarted with the job."
+        )
+    return answers
+
+
+def agree_steps(
+    local: Sequence[int], durable: Sequence[int], *, directory: os.PathLike, timeout_s: float
+) -> set[int]:
+    """The steps every process can serve (from its own folders or the durable tier).
+
+    Args:
+      local: this process's committed local steps; ``durable``: the durable tier's.
+
+    Returns:
+      The steps every process can serve; the newest step some process lacks is logged.
+
+    Raises:
+      HostsError: a process did not answer within ``timeout_s``.
+    """
+    mine = sorted(set(local) | set(durable))
+    answers = exchange(f"agreeing on the steps of {directory}", mine, timeout_s=timeout_s)
+    each = [set(a) for a in answers]
+    agreed = set.intersection(*each) if each else set()
+    newest = max(set.union(*each), default=None)
+    if newest is not None and newest not in agreed:
+        log.warning(
+            "%s: step %d is not servable by every process (per process: %s): the job resumes "
+            "from step %s, the newest all of them can read",
+            directory,
+            newest,
+            {p: max(s, default=None) for p, s in enumerate(each)},
+            max(agreed, default=None),
+        )
+    return agreed
+
+
+def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) -> set[int]:
+    """Hides from ``mngr``'s listing the steps some process cannot serve, so that every process
+    lists the same steps and ``restore()`` resumes all of them from the same one.
+
+    Collective: every process of the job calls it (at opening, and in
+    ``wait_until_finished``). ``refresh`` lists the durable tier again first (another process
+    may have committed or deleted steps there).
+
+    Returns:
+      The steps every process can serve.
+
+    Raises:
+      HostsError: a process did not answer within ``timeout_s``.
+    """
+    mine = set(mngr._local_steps()) | set(mngr._orbax_steps)
+    durable: list[int] = []
+    if mngr._durable is not None:
+        durable = mngr._durable.refreshed_steps() if refresh else mngr._durable.steps()
+    agreed = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
+    mngr._hidden = (mine | set(durable)) - agreed
+    return agreed

@@ -1,0 +1,174 @@
+"""Several JAX processes with local folders of their own and a shared durable tier.
+
+``_hosts_worker.py`` runs the processes (``jax.distributed`` on 127.0.0.1 with gloo, 8
+simulated devices in all, ``CheckpointManager(host_local=True)``). The tests check, from the
+files the processes left: each process's folder holds its own copy (its manifest marked with
+its process index, covering the regions its devices hold and nothing else); the durable step
+is committed once, from every process's shards, its manifest recording which process drained
+which piece; and after a process is restarted with an empty folder (a replaced host) the job
+restores the newest step every process can serve, bit-exact, the replaced process from the
+durable tier and the others from their own folders.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reliability_helpers import HERE, child_env, free_port, item_dir
+
+from cocijax import storage
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-multiprocess")]
+
+DEVICES = 8  # in all, over the processes
+
+
+def _launch(cfg: dict[str, Any], timeout: float = 300.0) -> None:
+    """Runs ``len(cfg["dirs"])`` workers together; fails with their stderr if any fails."""
+    port = free_port()
+    n = len(cfg["dirs"])
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "_hosts_worker.py"),
+                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
+            ],
+            env=child_env(DEVICES // n),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    errors = []
+    try:
+        for i, p in enumerate(procs):
+            _, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                errors.append(f"process {i} exited {p.returncode}:\n{err[-4000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert not errors, "\n".join(errors)
+
+
+def _records(cfg: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    out = Path(cfg["out"])
+    return [json.loads((out / f"{name}_{i}.json").read_text()) for i in range(len(cfg["dirs"]))]
+
+
+def _config(tmp_path: Path, processes: int = 2, **extra: Any) -> dict[str, Any]:
+    out = tmp_path / "out"
+    out.mkdir()
+    dirs = [str(tmp_path / f"host{i}" / "ckpt") for i in range(processes)]
+    return {"dirs": dirs, "durable": str(tmp_path / "durable"), "out": str(out), **extra}
+
+
+def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, steps=6)
+    _launch({**cfg, "mode": "save"})
+    saves = _records(cfg, "save")
+    assert saves[0]["saved"] == saves[1]["saved"] == [2, 4, 6]
+    for i, rec in enumerate(saves):
+        # Per-process retention (max_to_keep=2): each process deleted in its own folder.
+        assert rec["local"] == [4, 6], (i, rec)
+        on_disk = sorted(int(p.name) for p in Path(cfg["dirs"][i]).iterdir() if p.name.isdigit())
+        assert on_disk == [4, 6], (i, on_disk)
+    assert saves[0]["durable"] == [2, 4, 6]
+
+    # Each local copy is its process's: marked so, and holding exactly the regions its devices
+    # hold (the replicated bias too: a copy restores without the other processes).
+    for i, rec in enumerate(saves):
+        manifest = storage.read_manifest(item_dir(cfg["dirs"][i], 6))
+        assert manifest.holder == i
+        assert {p.process for p in manifest.pieces} == {i}
+        held: dict[str, set] = {}
+        for p in manifest.pieces:
+            box = tuple((a, b) for a, b in zip(p.start, p.stop, strict=True))
+            held.setdefault(manifest.leaves[p.leaf].path, set()).add(box)
+        owned = {k: {tuple(map(tuple, b)) for b in v} for k, v in rec["owned"].items() if v}
+        assert held == owned, i
+
+    # The durable step: one manifest of the whole tree, from both processes' shards.
+    durable = storage.read_manifest(item_dir(cfg["durable"], 6))
+    assert durable.holder is None
+    assert {p.process for p in durable.pieces} == {0, 1}
+    assert storage.verify(item_dir(cfg["durable"], 6)) == []
+
+    # Another topology (the devices in reverse order): each process's own copy lacks rows its
+    # devices now hold, so every process reads the step from the durable tier instead.
+    _launch({**cfg, "mode": "restore", "reverse": True})
+    restores = _records(cfg, "restore")
+    assert [(r["step"], r["tier"]) for r in restores] == [(6, "durable")] * 2, restores
+    for r in restores:
+        assert r["mismatches"] == [] and r["shards"] > 0, r
+
+
+@pytest.mark.parametrize(
+    ("processes", "durable"),
+    [(2, "path"), (2, "s3"), pytest.param(4, "path", marks=pytest.mark.long)],
+)
+def test_a_replaced_host_restores_from_the_durable_tier(
+    tmp_path: Path, request: pytest.FixtureRequest, processes: int, durable: str
+) -> None:
+    # Every second saved step is drained: the durable tier gets step 4, not 6, so the newest
+    # step every process can serve after process 1 loses its folder is 4 (the others still
+    # have 6 locally; restoring it there would leave the processes on different steps).
+    cfg = _config(tmp_path, processes, steps=6, durable_every=2)
+    if durable == "s3":
+        s3 = request.getfixturevalue("s3")
+        cfg.update(durable=s3.url("run"), durable_options=s3.options)
+    _launch({**cfg, "mode": "save"})
+    saves = _records(cfg, "save")
+    assert saves[0]["durable"] == [4]
+    assert all(rec["local"] == [4, 6] for rec in saves), saves
+
+    shutil.rmtree(Path(cfg["dirs"][1]).parent)  # a new machine: empty local folders
+    _launch({**cfg, "mode": "restore"})
+    restores = _records(cfg, "restore")
+    assert [r["step"] for r in restores] == [4] * processes
+    tiers = ["local"] * processes
+    tiers[1] = "durable"
+    assert [r["tier"] for r in restores] == tiers
+    assert all(r["steps"] == [4] for r in restores), restores
+    for r in restores:
+        assert r["mismatches"] == [] and r["shards"] > 0, r
+
+
+def test_a_step_one_process_could_not_commit_is_listed_by_none(tmp_path: Path) -> None:
+    # Process 1's local commit of step 6 fails (a full disk): its wait raises that; process
+    # 0's durable drain of step 6 never gets process 1's shards and commits nothing; once they
+    # exchanged what they hold, neither lists step 6. The job goes on: step 8 is saved and
+    # drained everywhere, and the part process 0 drained of step 6 is collected.
+    cfg = _config(tmp_path, failing=1, timeout_s=5.0)
+    _launch({**cfg, "mode": "fault"})
+    faults = _records(cfg, "fault")
+    assert "No space left on device (injected)" in faults[1]["error_6"], faults[1]
+    assert "DurableTierError" in faults[0]["error_6"], faults[0]
+    assert "process(es) [1]" in faults[0]["error_6"], faults[0]
+    assert [f["steps_6"] for f in faults] == [[2, 4]] * 2, faults
+    assert all("error_8" not in f for f in faults), faults
+    assert [f["steps_8"] for f in faults] == [[2, 4, 8]] * 2, faults
+    assert faults[0]["durable"] == [2, 4, 8]
+    assert not (Path(cfg["durable"]) / "6").exists()
+
+
+def test_a_process_that_never_opens_makes_the_others_fail_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path, timeout_s=3.0)
+    _launch({**cfg, "mode": "absent"})
+    record = json.loads((Path(cfg["out"]) / "absent_0.json").read_text())
+    assert record["error"] is not None, record
+    assert record["error"].startswith("HostsError: "), record
+    assert "process(es) 1 " in record["error"] and "within 3 s" in record["error"], record
+    assert record["elapsed_s"] < 60, record  # a hang guard: the bound is 3 s
