@@ -9,9 +9,10 @@ process has a local folder of its own; one folder, the persistent one, is shared
   .CheckpointManager`` (local saves every step, persistent every second step);
 * ``orbax-standard``: Orbax's ``CheckpointManager`` (``StandardSave``, async) on the shared
   folder;
-* ``cocijax``: ``cj.CheckpointManager`` as it is today, on the shared folder;
-* ``cocijax-local`` (per-process local tiers, a durable tier shared): to be added here, in
-  ``METHODS``, when that work merges (issue 31.1).
+* ``cocijax``: ``cj.CheckpointManager`` on the shared folder;
+* ``cocijax-local``: ``cj.CheckpointManager(local, durable=shared, host_local=True)``: each
+  process commits its shards in its own folder and drains them to the shared folder, where the
+  step is committed once every process's shards are there.
 
 Phase one saves ``--steps`` steps (forced) in both processes and times, per save, the blocking
 call (``blocking_s``: the median) and, for each step that goes to the persistent folder, the
@@ -150,7 +151,7 @@ class _Standard:
 
 
 class _Cocijax:
-    """cocijax's manager as it is today: the shared folder (no per-process tier)."""
+    """cocijax's manager on the shared folder."""
 
     def __init__(self, cfg: dict[str, Any], mesh: Any, abstract: Any):
         import cocijax as cj
@@ -167,8 +168,26 @@ class _Cocijax:
         return self.mngr.restore(target=abstract)
 
 
-# Where a ``cocijax-local`` method (per-process local tiers, issue 31.1) goes once it merges.
-METHODS = {"orbax-emergency": _Emergency, "orbax-standard": _Standard, "cocijax": _Cocijax}
+class _CocijaxLocal(_Cocijax):
+    """cocijax with ``host_local=True``: each process's own folder, the durable tier shared."""
+
+    def __init__(self, cfg: dict[str, Any], mesh: Any, abstract: Any):
+        import cocijax as cj
+
+        self.mngr = cj.CheckpointManager(
+            cfg["local"], durable=cfg["shared"], host_local=True, policy=cj.policies.fixed(10**9)
+        )
+
+    def wait_persistent(self) -> None:
+        self.mngr.wait_until_finished(durable=True)  # drained and committed on the shared tier
+
+
+METHODS = {
+    "orbax-emergency": _Emergency,
+    "orbax-standard": _Standard,
+    "cocijax": _Cocijax,
+    "cocijax-local": _CocijaxLocal,
+}
 
 
 def _work(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +208,7 @@ def _work(cfg: dict[str, Any]) -> dict[str, Any]:
             method.save(step, state)
             blocking.append(time.perf_counter() - start)
             if method.persistent(step):
-                method.mngr.wait_until_finished()
+                getattr(method, "wait_persistent", method.mngr.wait_until_finished)()
                 persistent.append(time.perf_counter() - start)
         method.mngr.wait_until_finished()
         out = {"blocking": blocking, "persistent": persistent}
