@@ -115,8 +115,8 @@ def write_step(
     # 300 s for signals that never come, which also blocks interpreter exit.
     check_tree(state)
     items = check_extra(extra, restoring=False)
-    # Warns with the user's `save` call as its place (save -> write_step -> here).
-    metrics = mngr._check_metrics(metrics, step=step, stacklevel=3)
+    # Warns with the user's `save` call as its place (save -> save_step -> write_step).
+    metrics = mngr._check_metrics(metrics, step=step, stacklevel=4)
     if metrics is not None:
         items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
     custom_metadata = check_custom_metadata(custom_metadata)
