@@ -251,9 +251,13 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Committed steps of every tier, oldest first (a save in flight is not listed); a
         read-only manager lists afresh at every call, following a writer in another process."""
+        return self._steps(every=True)
+
+    def _steps(self, *, every: bool) -> list[int]:
+        """:meth:`all_steps`; without ``every``, the newest one is among them, not all older."""
         durable = self._durable.steps() if self._durable is not None else []
-        local = set(self._local_steps()) | set(self._orbax_steps) | set(self.memory_steps())
-        return sorted(local | set(durable))
+        local = set(self._local_steps(every=every)) | set(self._orbax_steps)
+        return sorted(local | set(self.memory_steps()) | set(durable))
 
     def durable_steps(self) -> list[int]:
         """Steps committed on the durable tier, oldest first (``[]`` without one)."""
@@ -263,13 +267,13 @@ class CheckpointManager:
         """Steps committed in the memory tier, oldest first (``[]`` without one)."""
         return [] if self._memory is None else self._memory.steps()
 
-    def _local_steps(self) -> list[int]:
-        """Committed steps of the local tier (the disk), oldest first."""
-        return _saving.local_steps(self)
+    def _local_steps(self, *, every: bool = True) -> list[int]:
+        """Committed steps of the local tier (the disk), oldest first (see ``local_steps``)."""
+        return _saving.local_steps(self, every=every)
 
     def latest_step(self) -> int | None:
         """The newest committed step of either tier, or None."""
-        steps = self.all_steps()
+        steps = self._steps(every=False)  # the older steps need not be read for it
         return steps[-1] if steps else None
 
     def item_directory(self, step: int) -> Path:
@@ -327,6 +331,7 @@ class CheckpointManager:
             raise ValueError(f"save: {self._directory} was opened with read_only options.")
         step = check_step(step)
         check_step_order(step, self._latest_saved, self._driver.step, self._directory)
+        self._adopted = None  # the driver moves on from the state it adopted
         loss = stage_loss(loss)
         if self._driver.wants_state_size:  # once: the cost assumed until a save is timed
             self._driver.state_size(tree_nbytes(state))

@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import move_aside
+from cocijax._orbax_compat import list_steps_lightly
 from cocijax.core._policy_inputs import tree_nbytes
 from cocijax.core._session import run_all
 from cocijax.manager._directory import (
@@ -21,11 +22,12 @@ from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
     TRASH_DIR,
+    check_steps,
     is_committed,
     list_committed,
 )
 from cocijax.manager._faults import naming, retry_deletions, wait
-from cocijax.manager._gc import collect_garbage
+from cocijax.manager._gc import collect_garbage, quarantine
 from cocijax.manager._items import check_custom_metadata, check_extra
 from cocijax.manager._policy_item import PolicyStateSave
 from cocijax.storage._tree import check_tree
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_retention",
+    "check_deferred",
     "close",
     "collect",
     "delete_step",
@@ -70,6 +73,8 @@ def write_step(
     """
     # Wait for the step's own computation first: that is training time, not checkpoint cost.
     jax.block_until_ready(state)
+    # Before Orbax's retention counts the steps; what an opening left, not a save's cost.
+    check_deferred(mngr)
     # Reject unsupported leaves and bad items before Orbax starts its background threads:
     # an error raised inside the handler's async_save leaves Orbax threads waiting up to
     # 300 s for signals that never come, which also blocks interpreter exit.
@@ -183,7 +188,31 @@ def collect(mngr: CheckpointManager) -> None:
     the remover's thread; retries failed deletions of steps."""
     if not mngr._read_only and mngr._primary:
         mngr._remover.remove(collect_garbage(mngr._directory, mngr._stripe_roots))
-        retry_deletions(mngr.orbax, mngr._directory)
+        if not mngr._step_format.deferred:  # else no save yet: Orbax has forgotten none
+            retry_deletions(mngr.orbax, mngr._directory)
+
+
+def check_deferred(mngr: CheckpointManager) -> None:
+    """Checks the steps the opening left unread (``check_layout(lazy=True)``), and lists them.
+
+    They are treated as an opening treats its steps: damaged ones set aside (the writer is
+    the only one that defers), Orbax's recorded, committed ones listed by Orbax's manager, so
+    that its retention counts them. Runs before anything that needs every step: a save (Orbax's
+    retention), ``all_steps``, a restore of a given step or with ``fallback``, a deletion.
+
+    Raises:
+      OSError: a step cannot be read now (then nothing is changed; tried again at next need).
+    """
+    step_format = mngr._step_format
+    if not step_format.deferred:
+        return
+    layout = check_steps(step_format.deferred)
+    for entry, problem in layout.damaged:
+        quarantine(entry, problem)
+    mngr._orbax_steps.update(layout.orbax)
+    mngr._committed |= {int(path.name) for path in layout.committed}
+    step_format.deferred.clear()
+    list_steps_lightly(mngr.orbax, sorted(mngr._committed))
 
 
 def wait_for_removals(mngr: CheckpointManager) -> None:
@@ -213,8 +242,14 @@ def tidy(mngr: CheckpointManager) -> None:
         collect(mngr)
 
 
-def local_steps(mngr: CheckpointManager) -> list[int]:
-    """Committed steps of the local tier (the disk), oldest first."""
+def local_steps(mngr: CheckpointManager, *, every: bool = True) -> list[int]:
+    """Committed steps of the local tier (the disk), oldest first.
+
+    Without ``every``, the steps older than the newest that the opening left unread are not
+    read now (nor listed); with it, they are (:func:`check_deferred`).
+    """
+    if every:
+        check_deferred(mngr)
     if mngr._read_only:
         mngr._committed = set(list_committed(mngr._directory, frozenset(mngr._committed)))
         return sorted(mngr._committed)
