@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Iterable
 from typing import Any
 
 # Checked against orbax-checkpoint 0.12.8. A handler's ``metadata()`` must return Orbax's tree
@@ -22,8 +24,9 @@ from typing import Any
 # handler's restore recognises it by this class). Orbax 0.12 exports neither the class
 # (``orbax.checkpoint.metadata.tree`` names only ``ValueMetadataEntry``) nor its builder.
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
+from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 
-__all__ = ["TreeMetadata", "build_tree_metadata", "manager_checkpointer"]
+__all__ = ["TreeMetadata", "build_tree_metadata", "list_steps_lightly", "manager_checkpointer"]
 
 TreeMetadata = _tree_metadata.TreeMetadata
 """Orbax's tree metadata (a Protocol): what ``StandardCheckpointHandler.metadata`` returns."""
@@ -54,3 +57,18 @@ def manager_checkpointer(manager: Any) -> Any:
     Orbax 0.12 has no public name for it.
     """
     return getattr(manager, "_checkpointer", None)
+
+
+def list_steps_lightly(manager: Any, steps: Iterable[int]) -> None:
+    """Adds ``steps`` to the listing of an ``ocp.CheckpointManager`` opened with
+    ``lightweight_initialize``, as that opening lists a step: no commit time, no metrics.
+
+    Checked against orbax-checkpoint 0.12.8 (the private ``_checkpoints``, Orbax's listing,
+    which its retention counts). ``reload()`` would list them too, but it lists every step
+    again and reads each one's metrics; a manager whose opening left older steps unread lists
+    them once they are checked, without reading them again.
+    """
+    listed = {info.step: info for info in manager._checkpoints}
+    for step in steps:
+        listed.setdefault(step, CheckpointInfo(step=step, time=datetime.datetime.min, metrics=None))
+    manager._checkpoints.set([listed[step] for step in sorted(listed)])

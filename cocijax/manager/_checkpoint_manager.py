@@ -44,7 +44,7 @@ from cocijax.core._contract import (
 )
 from cocijax.core._history import failed_exit, process_age_s
 from cocijax.core._preemption import Preemption
-from cocijax.manager import _opening, _restoring, _saving
+from cocijax.manager import _closing, _opening, _restoring, _saving
 from cocijax.manager._compile_cache import check_compilation_cache, use_compilation_cache
 from cocijax.manager._directory import STATE_ITEM, checked_once
 from cocijax.manager._tier_options import check_timeout
@@ -258,7 +258,12 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Committed steps of every tier, oldest first (a save in flight is not listed); a
         read-only manager lists afresh at every call, following a writer in another process."""
-        tiers = (self._local_steps(), self._orbax_steps, self.memory_steps(), self.durable_steps())
+        return self._steps(every=True)
+
+    def _steps(self, *, every: bool) -> list[int]:
+        """:meth:`all_steps`; without ``every``, the newest one is among them, not all older."""
+        local = self._local_steps(every=every)
+        tiers = (local, self._orbax_steps, self.memory_steps(), self.durable_steps())
         return sorted(set().union(*tiers) - self._hidden)
 
     def durable_steps(self) -> list[int]:
@@ -269,13 +274,11 @@ class CheckpointManager:
         """Steps committed in the memory tier, oldest first (``[]`` without one)."""
         return [] if self._memory is None else self._memory.steps()
 
-    def _local_steps(self) -> list[int]:
-        """Committed steps of the local tier (the disk), oldest first."""
-        return _saving.local_steps(self)
+    _local_steps = _saving.local_steps  # the disk's committed steps (``every=True``: all)
 
     def latest_step(self) -> int | None:
         """The newest committed step of any tier, or None."""
-        return max(self.all_steps(), default=None)
+        return max(self._steps(every=False), default=None)  # older steps need not be read
 
     def item_directory(self, step: int) -> Path:
         """The directory of the ``state`` item of ``step`` (holds the cocijax manifest)."""
@@ -329,11 +332,6 @@ class CheckpointManager:
         """
         self._check_open()
         return _saving.save_step(self, step, state, loss, force, extra, metrics, custom_metadata)
-
-    @property
-    def _paths(self) -> tuple[Path, ...]:
-        """Where this manager writes: an error naming any path below these says where it is."""
-        return (self._directory, *self._roots)
 
     def _step_dir(self, step: int | None) -> Path:  # what an error names
         return self._directory if step is None else self._directory / str(step)
@@ -475,7 +473,7 @@ class CheckpointManager:
             timeout_s = check_timeout(timeout_s, "timeout_s")
         if not self._closed:
             self._closed = True
-            _saving.close(self, timeout_s)
+            _closing.close(self, timeout_s)
 
     def _check_open(self) -> None:
         if self._closed:

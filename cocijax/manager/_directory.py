@@ -14,10 +14,9 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
-import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +37,10 @@ __all__ = [
     "CommittedStepFormat",
     "Layout",
     "check_layout",
+    "check_steps",
     "checked_once",
     "is_committed",
     "merge_options",
-    "orbax_reader_notice_dropped",
     "split_best",
 ]
 
@@ -165,10 +164,13 @@ class CommittedStepFormat:
       checked: the steps :func:`check_layout` found committed, with their commit times: Orbax's
         first listing (the manager's opening) takes them from here instead of reading each
         step again, and later listings read them afresh.
+      deferred: step directories an opening left unread (``Layout.deferred``): not listed
+        until their check is done (:func:`check_steps`) and the set emptied.
     """
 
     inner: Any = dataclasses.field(default_factory=ocp.path.step.standard_name_format)
     checked: dict[Path, datetime.datetime] = dataclasses.field(default_factory=dict)
+    deferred: set[Path] = dataclasses.field(default_factory=set)
 
     def build_name(self, step: int) -> str:
         return self.inner.build_name(step)
@@ -182,6 +184,8 @@ class CommittedStepFormat:
             if not STEP_RE.match(name):
                 continue
             path = base / name
+            if path in self.deferred:
+                continue
             committed_at = self.checked.pop(path, None)
             if committed_at is None:
                 committed_at = _commit_time(path)
@@ -189,13 +193,18 @@ class CommittedStepFormat:
                 yield _ListedStep(int(name), epath.Path(path), committed_at)
 
     def find_step(self, base_path: Any, step: int) -> Any:
-        try:
-            metadata = self.inner.find_step(base_path, step)
-        except ValueError as e:
-            raise _NoSuchStep(f"{e} (deleted, or never committed)") from e
-        if not is_committed(Path(metadata.path)):
-            raise _NoSuchStep(f"{metadata.path}: step {step} has no valid cocijax manifest.")
-        return metadata
+        # Looked up here, not by Orbax's format, which checks that the name is not a temporary
+        # one through an event loop and threads of its own (twice per restore): a plain
+        # number is never a temporary directory's name.
+        path = Path(base_path) / self.build_name(step)
+        if not path.is_dir():
+            raise _NoSuchStep(
+                f"No step path found with name={self.build_name(step)} under {base_path} "
+                "(deleted, or never committed)"
+            )
+        if not is_committed(path):
+            raise _NoSuchStep(f"{path}: step {step} has no valid cocijax manifest.")
+        return ocp.path.step.Metadata(step=step, path=epath.Path(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,14 +259,17 @@ class Layout:
       orbax: steps written by Orbax's own ``CheckpointManager``, by step number.
       committed: the committed cocijax steps, with their commit times (see
         :class:`CommittedStepFormat`).
+      deferred: with ``check_layout(lazy=True)``, the cocijax step directories older than the
+        newest committed one, not read yet (see :func:`check_steps`).
     """
 
     damaged: list[tuple[Path, str]]
     orbax: dict[int, OrbaxStep]
     committed: dict[Path, datetime.datetime]
+    deferred: set[Path] = dataclasses.field(default_factory=set)
 
 
-def check_layout(directory: Path) -> Layout:
+def check_layout(directory: Path, *, lazy: bool = False) -> Layout:
     """Raises if ``directory`` holds something cocijax cannot read; says what else it holds.
 
     Allowed: cocijax step directories, steps written by Orbax's ``CheckpointManager`` (see
@@ -265,43 +277,73 @@ def check_layout(directory: Path) -> Layout:
     trash, quarantine and, when ``directory`` is also a root, its stripe folder). An entry that
     vanishes while it is looked at was deleted by a writer: it is skipped.
 
+    Args:
+      directory: the checkpoint directory.
+      lazy: read the steps newest first, and only down to the newest committed cocijax step
+        (what ``latest_step`` needs); the older ones that have a ``state`` item are left in
+        ``Layout.deferred``, for :func:`check_steps` to read when all of them are needed.
+
     Raises:
       ValueError: an entry neither cocijax nor Orbax wrote (names it).
       OSError: a step cannot be read (an I/O error, named with the step): it is not taken for
         damage, which a writer would set aside.
     """
-    layout = Layout(damaged=[], orbax={}, committed={})
-    for entry in sorted(directory.iterdir()):
+    steps = []
+    for entry in directory.iterdir():
         name = entry.name
         if name.startswith(".") or TMP_MARK in name:
             continue
         if STEP_RE.match(name) and entry.is_dir():
-            committed_at, problem = _read_step(entry)
-            if committed_at is not None:
-                layout.committed[entry] = committed_at
-            if problem is None:
-                continue
-            orbax = find_orbax_step(entry)
-            if orbax is not None:
-                layout.orbax[int(name)] = orbax
-            elif (entry / STATE_ITEM).is_dir():
-                if entry.exists():
-                    layout.damaged.append((entry, problem))
-            elif entry.exists():
-                raise ValueError(
-                    f"directory: {entry} looks like a checkpoint step but has neither a "
-                    f"'{STATE_ITEM}' item of cocijax's nor Orbax's metadata naming its items "
-                    "(_CHECKPOINT_METADATA); it was written by neither. Use an empty, cocijax "
-                    "or Orbax CheckpointManager directory."
-                )
-            continue
-        if not os.path.lexists(entry):
-            continue
-        raise ValueError(
-            f"directory: {entry} was not written by cocijax (expected only step directories). "
-            "Use an empty, cocijax or Orbax CheckpointManager directory."
-        )
+            steps.append(entry)
+        elif os.path.lexists(entry):
+            raise ValueError(
+                f"directory: {entry} was not written by cocijax (expected only step "
+                "directories). Use an empty, cocijax or Orbax CheckpointManager directory."
+            )
+    if not lazy:
+        return check_steps(steps)
+    layout = check_steps([])
+    for entry in sorted(steps, key=lambda entry: int(entry.name), reverse=True):
+        if layout.committed and (entry / STATE_ITEM).is_dir():
+            layout.deferred.add(entry)  # older than the newest committed step: not read now
+        else:
+            _check_step(entry, layout)
+    layout.damaged.reverse()  # oldest first, as check_steps
     return layout
+
+
+def check_steps(step_dirs: Iterable[Path]) -> Layout:
+    """What :func:`check_layout` finds of these step directories (none deferred).
+
+    Raises:
+      ValueError, OSError: as :func:`check_layout`.
+    """
+    layout = Layout(damaged=[], orbax={}, committed={})
+    for entry in sorted(step_dirs, key=lambda entry: int(entry.name)):
+        _check_step(entry, layout)
+    return layout
+
+
+def _check_step(entry: Path, layout: Layout) -> None:
+    """Reads the step directory ``entry`` into ``layout`` (see :func:`check_layout`)."""
+    committed_at, problem = _read_step(entry)
+    if committed_at is not None:
+        layout.committed[entry] = committed_at
+    if problem is None:
+        return
+    orbax = find_orbax_step(entry)
+    if orbax is not None:
+        layout.orbax[int(entry.name)] = orbax
+    elif (entry / STATE_ITEM).is_dir():
+        if entry.exists():
+            layout.damaged.append((entry, problem))
+    elif entry.exists():
+        raise ValueError(
+            f"directory: {entry} looks like a checkpoint step but has neither a "
+            f"'{STATE_ITEM}' item of cocijax's nor Orbax's metadata naming its items "
+            "(_CHECKPOINT_METADATA); it was written by neither. Use an empty, cocijax "
+            "or Orbax CheckpointManager directory."
+        )
 
 
 def _read_step(step_dir: Path) -> tuple[datetime.datetime | None, str | None]:
@@ -406,28 +448,6 @@ def _check_retention(options: Mapping[str, Any]) -> None:
         raise ValueError(
             f"keep_time_interval: expected a positive datetime.timedelta or None, got {interval!r}."
         )
-
-
-class _ReaderNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Given directory is read only=")
-
-
-@contextlib.contextmanager
-def orbax_reader_notice_dropped() -> Iterator[None]:
-    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
-
-    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
-    it describes what the user asked for and asks nothing of them. Only that message is dropped,
-    only while a manager opens.
-    """
-    quiet = _ReaderNotice()
-    absl_logger = logging.getLogger("absl")
-    absl_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(quiet)
 
 
 def split_best(

@@ -26,8 +26,10 @@ waits for a deletion.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -94,10 +96,11 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPat
       are out of sight already (no listed step references them) and are never reused.
     """
     trash = directory / TRASH_DIR
-    for entry in _entries(directory):
-        if TMP_MARK in entry.name:
-            log.info("removing %s, left by a save that did not commit", entry)
-            _files.move_aside(entry, trash)
+    # Names, not paths: with thousands of steps kept, sorting every entry's path cost more
+    # than the rest of the collection.
+    for name in sorted(name for name in _names(directory) if TMP_MARK in name):
+        log.info("removing %s, left by a save that did not commit", directory / name)
+        _files.move_aside(directory / name, trash)
     quarantined = sorted(_entries(directory / QUARANTINE_DIR), key=os.path.getmtime)
     for entry in quarantined[: max(len(quarantined) - QUARANTINE_KEEP, 0)]:
         log.info("deleting %s: newer damaged steps are kept for inspection", entry)
@@ -161,6 +164,7 @@ class Remover:
         return True
 
     def _run(self) -> None:
+        _yield_to_training()
         while True:
             with self._cond:
                 while not self._queue:
@@ -174,6 +178,19 @@ class Remover:
                     self._cond.notify_all()
 
 
+def _yield_to_training() -> None:
+    """Lowers the calling thread's CPU priority to the lowest (nice 19), where the OS can.
+
+    Removing a dropped step (unlinking its files, or the object store's requests) competed for
+    the CPU with the next save's writes on a small machine, and a save waits for the one before
+    it: ``save()`` blocked ~1.25x as long with ``max_to_keep=1`` as without retention. Linux
+    keeps a nice value per thread, so only this thread yields; elsewhere nothing changes.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 def _remove(path: Any) -> None:
     try:
         if isinstance(path, storage.KvPath):
@@ -184,6 +201,13 @@ def _remove(path: Any) -> None:
         log.warning("cannot remove %s (%s); trying again at the next collection", path, e)
     else:
         log.debug("removed %s", path)
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
 
 
 def _entries(folder: Path) -> list[Path]:

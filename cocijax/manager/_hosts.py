@@ -29,7 +29,14 @@ import orbax.checkpoint as ocp
 if TYPE_CHECKING:
     from cocijax.manager._checkpoint_manager import CheckpointManager
 
-__all__ = ["HostsError", "agree_listed", "agree_steps", "check_host_local", "exchange"]
+__all__ = [
+    "HostsError",
+    "agree_at_open",
+    "agree_listed",
+    "agree_steps",
+    "check_host_local",
+    "exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +185,16 @@ def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) ->
     agreed = agree_steps(mine, durable, directory=mngr._directory, timeout_s=timeout_s)
     mngr._hidden = (mine | set(durable)) - agreed
     return agreed
+
+
+def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
+    """Host-local: the processes agree on the steps all of them can serve (``_hosts``), then
+    the durable tier drains the newest agreed local step if it lacks it (every process its own
+    shards); nothing is drained before they agree."""
+    if mngr._durable is not None:
+        mngr._durable.open(None)
+    agreed = agree_listed(mngr, timeout_s, refresh=False)
+    durable = mngr._durable.steps() if mngr._durable is not None else []
+    newest = max(agreed & set(mngr._local_steps()), default=None)
+    if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
+        mngr._durable.offer(newest, force=True)

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from cocijax.core._memory import MemoryOptions, check_memory
 from cocijax.core._preemption import PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
-from cocijax.manager import _saving
+from cocijax.manager import _closing
 from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
@@ -39,12 +39,11 @@ from cocijax.manager._directory import (
     Layout,
     check_layout,
     merge_options,
-    orbax_reader_notice_dropped,
     split_best,
 )
 from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_listed, check_host_local
+from cocijax.manager._hosts import agree_at_open, check_host_local
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -234,10 +233,14 @@ def check_arguments(
 
 
 def orbax_manager(
-    opening: Opening, stripe_roots: Sequence[Path | storage.KvPath], layout: Layout
+    opening: Opening,
+    stripe_roots: Sequence[Path | storage.KvPath],
+    layout: Layout,
+    step_format: CommittedStepFormat | None = None,
 ) -> ocp.CheckpointManager:
     """Orbax's manager of the directory, with the striped handler writing ``stripe_roots``;
-    its first listing takes the steps ``layout`` found committed."""
+    its first listing takes the steps ``layout`` found committed (through ``step_format``,
+    made from ``layout`` when not given)."""
     read_only = opening.options.read_only
     handler = storage.StripedCheckpointHandler(
         # A reader needs no roots (the manifest names them) and must not create them.
@@ -250,11 +253,33 @@ def orbax_manager(
     policy_handler = PolicyStateHandler(primary_host=opening.primary_host)
     registry.add(POLICY_ITEM, PolicyStateSave, policy_handler)
     registry.add(POLICY_ITEM, PolicyStateRestore, policy_handler)
-    options = dataclasses.replace(
-        opening.options, step_name_format=CommittedStepFormat(checked=dict(layout.committed))
-    )
+    if step_format is None:
+        step_format = CommittedStepFormat(checked=dict(layout.committed))
+    options = dataclasses.replace(opening.options, step_name_format=step_format)
     with orbax_reader_notice_dropped():
         return ocp.CheckpointManager(opening.directory, options=options, handler_registry=registry)
+
+
+class _ReaderNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only=")
+
+
+@contextlib.contextmanager
+def orbax_reader_notice_dropped() -> Iterator[None]:
+    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
+
+    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
+    it describes what the user asked for and asks nothing of them. Only that message is dropped,
+    only while a manager opens.
+    """
+    quiet = _ReaderNotice()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
 
 
 def watcher(opening: Opening) -> PreemptionWatcher:
@@ -293,8 +318,18 @@ def from_primary(text: str | None, *, is_source: bool) -> str | None:
 
 
 def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None) -> None:
-    """What opening does once the directory exists (and is locked, for the writer)."""
-    layout = check_layout(mngr._directory)
+    """What opening does once the directory exists (and is locked, for the writer).
+
+    The writer reads the steps down to the newest committed one only; the older ones are
+    checked (set aside if damaged) when every step is first needed (``check_deferred``).
+    """
+    # Only where Orbax's own opening reads no step either (``lightweight_initialize``): its
+    # retention by time or by a preservation policy needs every step's time and metrics.
+    lazy = mngr._lock is not None and opening.options.lightweight_initialize
+    layout = check_layout(mngr._directory, lazy=lazy)
+    mngr._step_format = CommittedStepFormat(
+        checked=dict(layout.committed), deferred=layout.deferred
+    )
     for entry, problem in layout.damaged:
         if mngr._lock is not None:
             quarantine(entry, problem)
@@ -331,7 +366,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         compile_now=not mngr._read_only,
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
     )
-    mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout)
+    mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout, mngr._step_format)
     collect(mngr)  # before the copies below: it removes a killed copy's folder
     if mngr._memory is not None and writer:
         mngr._copy = DiskCopy(
@@ -345,32 +380,19 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         if mngr._copy.take_committed():
             mngr.orbax.reload()
     if mngr._host_local:
-        _agree(mngr, opening.store_timeout_s)
+        agree_at_open(mngr, opening.store_timeout_s)
     elif mngr._durable is not None:
-        mngr._durable.open(max(mngr._local_steps(), default=None))
+        mngr._durable.open(max(mngr._local_steps(every=False), default=None))
     latest = mngr.latest_step()
     mngr._history.adopt(None)
     if latest is None and mngr._lock is not None:
         log.info("no checkpoint in %s: starting at step 1", mngr._directory)
     if latest is not None:
-        where = "local" if latest in mngr._local_steps() else "durable"
+        where = "local" if latest in mngr._local_steps(every=False) else "durable"
         where = "orbax" if latest in mngr._orbax_steps else where
         where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
     mngr._latest_saved = latest
-
-
-def _agree(mngr: CheckpointManager, timeout_s: float) -> None:
-    """Host-local: the processes agree on the steps all of them can serve (``_hosts``), then
-    the durable tier drains the newest agreed local step if it lacks it (every process its own
-    shards); nothing is drained before they agree."""
-    if mngr._durable is not None:
-        mngr._durable.open(None)
-    agreed = agree_listed(mngr, timeout_s, refresh=False)
-    durable = mngr._durable.steps() if mngr._durable is not None else []
-    newest = max(agreed & set(mngr._local_steps()), default=None)
-    if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
-        mngr._durable.offer(newest, force=True)
 
 
 def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTier:
@@ -415,12 +437,16 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
     the lock released, and the error of the opening is the one raised."""
     mngr._directory = opening.directory
     mngr._roots = opening.roots
+    mngr._paths = (opening.directory, *opening.roots)  # what an error names a path under
     mngr._stripe_roots: tuple[Path | storage.KvPath, ...] = ()  # once the identity is known
     mngr._clock = opening.clock
     mngr._closed = False
     mngr._lock: DirectoryLock | None = None
     mngr._history: RunHistory | None = None
     mngr._committed: set[int] = set()
+    mngr._step_format = CommittedStepFormat()  # Orbax's, with what the opening left unread
+    # (step, tier) whose saved policy state the driver holds, as adopted (load_policy).
+    mngr._adopted: tuple[int, str] | None = None
     mngr._orbax_steps: dict[int, OrbaxStep] = {}  # steps Orbax's own manager wrote
     mngr._remover = Remover()  # deletions run off the training thread
     mngr._store_timeout_s = opening.store_timeout_s
@@ -456,7 +482,7 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
                 _nothing if orbax is None else orbax.close,
                 _nothing if tier is None else tier.close,
                 _nothing if memory is None else memory.close,
-                lambda: _saving.release(mngr),
+                lambda: _closing.release(mngr),
             )
         raise
 

@@ -73,7 +73,8 @@ def restore(
             with checked_once():  # one check of each step's manifest per attempt
                 copies = _copies(mngr, step, tier, fallback=fallback)
                 (restored_step, where), restored = _restore_first(mngr, copies, args, fallback)
-                load_policy(mngr, restored_step, where=where, stacklevel=4)
+                if mngr._adopted != (restored_step, where):  # the opening's adoption holds
+                    load_policy(mngr, restored_step, where=where, stacklevel=4)
         except _Deleted as deleted:
             if newest and attempt < _DELETED_RETRIES:
                 log.info(
@@ -119,7 +120,9 @@ def _copies(
         if tier == name and present is None:
             raise ValueError(f"restore: tier={name!r}, but this manager has no {name} tier.")
     memory = mngr.memory_steps() if tier in (None, "memory") else []
-    local = mngr._local_steps() if tier in (None, "local") else []
+    # The newest step alone needs no older one read (the opening may have left them).
+    every = fallback or step is not None
+    local = mngr._local_steps(every=every) if tier in (None, "local") else []
     orbax = list(mngr._orbax_steps) if tier in (None, "local") else []
     durable = durable_tier.steps() if durable_tier is not None and tier in (None, "durable") else []
     if durable_tier is not None and tier in (None, "durable") and step not in (
@@ -275,3 +278,5 @@ def load_policy(
         return
     if driver.adopt(data, where=str(path), stacklevel=stacklevel, history=history):
         driver.step = step  # the saved step counts as seen: the next call must be after it
+        # Until the driver is fed again (save), restoring this copy adopts nothing new.
+        mngr._adopted = (step, where)

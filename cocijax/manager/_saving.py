@@ -5,10 +5,8 @@ These functions are the manager's own, kept apart for size: they take the manage
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -16,6 +14,7 @@ import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import move_aside
+from cocijax._orbax_compat import list_steps_lightly
 from cocijax.core._contract import check_step, check_step_order
 from cocijax.core._policy_inputs import stage_loss, tree_nbytes
 from cocijax.core._session import run_all
@@ -24,11 +23,12 @@ from cocijax.manager._directory import (
     POLICY_ITEM,
     STATE_ITEM,
     TRASH_DIR,
+    check_steps,
     is_committed,
     list_committed,
 )
 from cocijax.manager._faults import naming, retry_deletions, wait
-from cocijax.manager._gc import collect_garbage
+from cocijax.manager._gc import collect_garbage, quarantine
 from cocijax.manager._hosts import agree_listed
 from cocijax.manager._items import check_custom_metadata, check_extra
 from cocijax.manager._policy_item import PolicyStateSave
@@ -39,11 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_retention",
-    "close",
+    "check_deferred",
     "collect",
     "delete_step",
     "local_steps",
-    "release",
     "save_step",
     "settle",
     "tidy",
@@ -71,6 +70,7 @@ def save_step(
         raise ValueError(f"save: {mngr._directory} was opened with read_only options.")
     step = check_step(step)
     check_step_order(step, mngr._latest_saved, mngr._driver.step, mngr._directory)
+    mngr._adopted = None  # the driver moves on from the state it adopted
     loss = stage_loss(loss)
     if mngr._driver.wants_state_size:  # once: the cost assumed until a save is timed
         mngr._driver.state_size(tree_nbytes(state))
@@ -110,6 +110,8 @@ def write_step(
     """
     # Wait for the step's own computation first: that is training time, not checkpoint cost.
     jax.block_until_ready(state)
+    # Before Orbax's retention counts the steps; what an opening left, not a save's cost.
+    check_deferred(mngr)
     # Reject unsupported leaves and bad items before Orbax starts its background threads:
     # an error raised inside the handler's async_save leaves Orbax threads waiting up to
     # 300 s for signals that never come, which also blocks interpreter exit.
@@ -255,7 +257,31 @@ def collect(mngr: CheckpointManager) -> None:
     the remover's thread; retries failed deletions of steps."""
     if not mngr._read_only and mngr._primary:
         mngr._remover.remove(collect_garbage(mngr._directory, mngr._stripe_roots))
-        retry_deletions(mngr.orbax, mngr._directory)
+        if not mngr._step_format.deferred:  # else no save yet: Orbax has forgotten none
+            retry_deletions(mngr.orbax, mngr._directory)
+
+
+def check_deferred(mngr: CheckpointManager) -> None:
+    """Checks the steps the opening left unread (``check_layout(lazy=True)``), and lists them.
+
+    They are treated as an opening treats its steps: damaged ones set aside (the writer is
+    the only one that defers), Orbax's recorded, committed ones listed by Orbax's manager, so
+    that its retention counts them. Runs before anything that needs every step: a save (Orbax's
+    retention), ``all_steps``, a restore of a given step or with ``fallback``, a deletion.
+
+    Raises:
+      OSError: a step cannot be read now (then nothing is changed; tried again at next need).
+    """
+    step_format = mngr._step_format
+    if not step_format.deferred:
+        return
+    layout = check_steps(step_format.deferred)
+    for entry, problem in layout.damaged:
+        quarantine(entry, problem)
+    mngr._orbax_steps.update(layout.orbax)
+    mngr._committed |= {int(path.name) for path in layout.committed}
+    step_format.deferred.clear()
+    list_steps_lightly(mngr.orbax, sorted(mngr._committed))
 
 
 def wait_for_removals(mngr: CheckpointManager) -> None:
@@ -304,8 +330,14 @@ def tidy(mngr: CheckpointManager) -> None:
         collect(mngr)
 
 
-def local_steps(mngr: CheckpointManager) -> list[int]:
-    """Committed steps of the local tier (the disk), oldest first."""
+def local_steps(mngr: CheckpointManager, *, every: bool = True) -> list[int]:
+    """Committed steps of the local tier (the disk), oldest first.
+
+    Without ``every``, the steps older than the newest that the opening left unread are not
+    read now (nor listed); with it, they are (:func:`check_deferred`).
+    """
+    if every:
+        check_deferred(mngr)
     if mngr._read_only:
         mngr._committed = set(list_committed(mngr._directory, frozenset(mngr._committed)))
         return sorted(mngr._committed)
@@ -371,103 +403,3 @@ def drop_orbax_step(mngr: CheckpointManager, step: int) -> None:
     if mngr._lock is not None:
         move_aside(mngr._orbax_steps[step].path, mngr.directory / TRASH_DIR)
     del mngr._orbax_steps[step]
-
-
-def close(mngr: CheckpointManager, timeout_s: float | None = None) -> None:
-    """:meth:`cocijax.CheckpointManager.close`: each part runs whatever the others raise.
-
-    With ``timeout_s``, the waits on Orbax (the running save, the removals, Orbax's close) end
-    by then: what has not run by then is abandoned, with a ``TimeoutError`` naming the save.
-    """
-
-    def finish() -> None:
-        settle(mngr)  # re-raises a failed save or disk copy: close all the same
-        tidy(mngr)
-
-    def close_orbax() -> None:
-        with naming(mngr.directory, mngr._paths):
-            mngr.orbax.close()
-
-    def close_durable() -> None:
-        if mngr._durable is not None:
-            mngr._durable.close()  # the last drain ends; its errors were logged
-
-    step = mngr._latest_saved if mngr._save_started else None
-    run_all(
-        lambda: _within(
-            finish,
-            lambda: wait_for_removals(mngr),
-            close_orbax,
-            timeout_s=timeout_s,
-            why=lambda: _abandoned(step, timeout_s),
-        ),
-        close_durable,
-        (lambda: None) if mngr._copy is None else mngr._copy.close,
-        (lambda: None) if mngr._memory is None else mngr._memory.close,
-        mngr._preemption.watcher.uninstall,
-        lambda: release(mngr),
-    )
-
-
-def _within(*calls: Any, timeout_s: float | None, why: Callable[[], str]) -> None:
-    """:func:`run_all` of ``calls``; with ``timeout_s``, in a thread, raising
-    ``TimeoutError(why())`` if they have not all ended by then. The thread is left to itself
-    and starts none of the calls that remain: the lock is released, it must not delete."""
-    if timeout_s is None:
-        run_all(*calls)
-        return
-    outcome: concurrent.futures.Future = concurrent.futures.Future()
-    gave_up = threading.Event()
-
-    def unless_given_up(call: Callable[[], object]) -> Callable[[], None]:
-        return lambda: None if gave_up.is_set() else call()
-
-    def run() -> None:
-        try:
-            run_all(*map(unless_given_up, calls))
-        except BaseException as e:  # handed to the thread that waits for it
-            outcome.set_exception(e)
-        else:
-            outcome.set_result(None)
-
-    # A daemon: a thread held in Orbax's barrier by a dead process must not hold the exit.
-    threading.Thread(target=run, name="cocijax-close", daemon=True).start()
-    try:
-        outcome.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        gave_up.set()
-        raise TimeoutError(why()) from None
-
-
-def _abandoned(step: int | None, timeout_s: float | None) -> str:
-    """What a close that ran out of ``timeout_s`` leaves undone."""
-    waiting = (
-        "the garbage collection and Orbax's close"
-        if step is None
-        else f"the save of step {step}, which Orbax commits once every process has written "
-        f"its part,"
-    )
-    abandoned = (
-        ""
-        if step is None
-        else f"step {step} (not committed; after a process's death it never will be), "
-    )
-    return (
-        f"close: {waiting} did not end within timeout_s={timeout_s:g} s: with several "
-        f"processes another process may have died (JAX finds a dead process only at its "
-        f"heartbeat timeout; look for an error there). Abandoned: {abandoned}the garbage "
-        f"collection and Orbax's close (its threads are left waiting); the directory's lock is "
-        f"released."
-    )
-
-
-def release(mngr: CheckpointManager) -> None:
-    """Removes the running marker (a clean end), then releases the lock, whatever fails.
-
-    In this order: once the lock is free another writer may open and write its own marker.
-    """
-    history, lock = mngr._history, mngr._lock
-    run_all(
-        (lambda: None) if history is None else history.close,
-        (lambda: None) if lock is None else lock.release,
-    )

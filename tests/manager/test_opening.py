@@ -117,3 +117,64 @@ def test_keep_time_interval_still_sees_commit_times(tmp_path):
     assert cj.CheckpointManager(directory, options=reader).all_steps() == [1, 3]
     _write(directory, [4], options=by_time)
     assert cj.CheckpointManager(directory, options=reader).all_steps() == [1, 4]
+
+
+def test_the_writer_opens_reading_only_the_newest_step(tmp_path, counted):
+    """The writer reads the steps newest first down to the newest committed one; the older
+    ones are read once, when every step is first needed (here ``all_steps``)."""
+    directory = tmp_path / "run"
+    _write(directory, [1, 2, 3, 4, 5])
+    reads, _ = counted
+    with _open(directory) as mngr:
+        assert mngr.latest_step() == 5
+        assert dict(reads) == {str(directory / "5" / "state"): 1}
+        assert mngr.all_steps() == [1, 2, 3, 4, 5]
+        assert sorted(reads) == [str(directory / f"{s}" / "state") for s in (1, 2, 3, 4, 5)]
+        assert max(reads.values()) == 1, reads
+
+
+def test_an_older_damaged_step_is_set_aside_before_the_first_save(tmp_path):
+    """A step the opening left unread is checked before Orbax's retention counts the steps:
+    a damaged one is set aside (not deleted, not counted by ``max_to_keep``)."""
+    directory = tmp_path / "run"
+    _write(directory, [1, 2, 3])
+    (directory / "2" / "state" / _manifest_io.MANIFEST_NAME).write_bytes(b"{}")
+    with _open(directory, max_to_keep=3) as mngr:
+        assert (directory / "2").exists()  # not read yet
+        mngr.save(4, _state(4), loss=1.0, force=True)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 3, 4]  # max_to_keep counts the intact steps only
+    quarantined = list((directory / ".cocijax-quarantine").iterdir())
+    assert [p.name.split("-")[0] for p in quarantined] == ["2"], quarantined
+
+
+def test_an_older_damaged_step_is_skipped_by_a_fallback_restore(tmp_path):
+    directory = tmp_path / "run"
+    _write(directory, [1, 2, 3])
+    (directory / "3" / "state" / _manifest_io.MANIFEST_NAME).write_bytes(b"{}")
+    (directory / "2" / "state" / _manifest_io.MANIFEST_NAME).write_bytes(b"{}")
+    with _open(directory) as mngr:
+        assert mngr.latest_step() == 1  # 3 and 2 were read: no committed step above 1
+        np.testing.assert_array_equal(mngr.restore(fallback=True)["b"], _state(1)["b"])
+
+
+def test_restoring_the_step_the_opening_adopted_reads_its_policy_state_once(tmp_path, monkeypatch):
+    from cocijax.manager import _policy_item
+
+    directory = tmp_path / "run"
+    _write(directory, [1, 2])
+    reads = []
+    restore = _policy_item.PolicyStateHandler.restore
+
+    def counting(self, directory, *args, **kwargs):
+        reads.append(str(directory))
+        return restore(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(_policy_item.PolicyStateHandler, "restore", counting)
+    with _open(directory) as mngr:
+        mngr.restore()
+        assert reads == [str(directory / "2" / "policy")]
+        mngr.restore(1)  # another step: its own state
+        assert reads[1:] == [str(directory / "1" / "policy")]
+        mngr.restore()  # the newest again, after another one was adopted
+        assert reads[2:] == [str(directory / "2" / "policy")]

@@ -30,7 +30,8 @@ def test_an_io_error_at_opening_is_raised_and_sets_no_step_aside(tmp_path, monke
 
     with monkeypatch.context() as patch:
         patch.setattr(pathlib.Path, "read_bytes", failing)
-        with pytest.raises(OSError, match=r"step .*1 cannot be read .*Input/output error") as e:
+        # Read newest first (the opening stops at the newest committed step): step 3 is named.
+        with pytest.raises(OSError, match=r"step .*3 cannot be read .*Input/output error") as e:
             cj.CheckpointManager(tmp_path, policy=cj.policies.fixed(1))
     assert e.value.errno == errno.EIO
     assert not (tmp_path / ".cocijax-quarantine").exists()
