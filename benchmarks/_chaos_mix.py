@@ -366,7 +366,8 @@ class MixReport(Report):
             "",
             f"{self.describe()}.",
             "",
-            "The job of the live chaos benchmark above, under a seeded mix of failures (the same "
+            f"The job of the live chaos benchmark above ({self.state_mib:.0f} MiB of parameters "
+            "and Adam moments), under a seeded mix of failures (the same "
             "times and classes for every configuration of a seed): a process kill (SIGKILL of "
             "the job; the memory tier and the local disk survive) or a machine failure (the "
             "kill, then the job's memory folder and local directory deleted: it restarts from "

@@ -94,6 +94,7 @@ QUICK = dict(seeds=1, steps=3000, mtbf=10.0)
 MIX_FULL = dict(seeds=6, steps=4000, mtbf=6.0)  # sized for 30 runs in about 45 minutes
 MIX_QUICK = dict(seeds=1, steps=2000, mtbf=5.0)
 SHM = Path("/dev/shm")  # the memory tier's tmpfs (Linux)
+SMALL_JOB = ["--buckets", str(2**16), "--hidden", "256", "--batch", "128"]
 TINY_JOB = ["--buckets", "4096", "--dim", "8", "--hidden", "32", "--batch", "64"]
 CALIBRATION = dict(steps=400, every=100)  # the Orbax save cost a user would measure
 SETUP = "setup.json"  # in the work directory: what --analyse needs besides the logs
@@ -121,6 +122,7 @@ class Bench:
         durable, memory = Path(f"{ckpt}-durable"), self.memory / name
         cmd = [sys.executable, str(JOB), "--config", config, "--log", str(log),
                "--steps", str(steps), *(TINY_JOB if self.args.tiny else [])]  # fmt: skip
+        cmd += SMALL_JOB if self.args.small and not self.args.tiny else []
         if config == "orbax-fixed":
             cmd += ["--dir", str(ckpt), "--every", str(every)]
             if mix:
@@ -137,8 +139,10 @@ class Bench:
                 cmd += ["--cost-prior", str(self.cost_prior)]
         env = None
         if self.args.compile_cache:
-            # Every start after the first of a configuration loads its compiled programs.
-            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ckpt) + "-jax-cache",
+            # Every start after the first of a configuration loads its compiled programs; with
+            # --mix the first too (one cache for all: its first start is before the clock).
+            cache = self.workdir / "jax-cache" if mix else Path(f"{ckpt}-jax-cache")
+            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
 
         def lose_machine() -> None:  # what a machine failure takes: memory and local disk
@@ -176,7 +180,8 @@ def order(configs: list[str], seed: int) -> list[str]:
 
 
 def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
-    """Runs the calibration and every configuration of every seed; returns the setup record."""
+    """Runs the calibration and every configuration of every seed; returns the setup record,
+    written to the work directory after each seed."""
     bench = Bench(args, workdir)
     started = time.monotonic()
     cj_configs = set(args.configs) - {"orbax-fixed", "no-failures"}
@@ -201,6 +206,22 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
             highlight=False,
         )
     loads = []  # the 1-minute load average at the start and at the end of each run
+    setup = dict(
+        argv=sys.argv[1:],
+        steps=args.steps,
+        mtbf=args.mtbf,
+        seeds=0,
+        configs=list(args.configs),
+        every=bench.every,
+        mix=args.mix,
+        machine_share=args.machine_share,
+        every_durable=bench.every_durable,
+        cost_prior=bench.cost_prior,
+        compile_cache=args.compile_cache,
+        calibration=None if not calibrated else [cal_cost, cal_tau],
+        loads=loads,
+        disk=filesystem(str(workdir)),
+    )
     for seed in range(args.seeds):
         for config in order(list(args.configs), seed):
             load = os.getloadavg()[0]
@@ -222,23 +243,10 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
                 f"load {loads[-1][0]:.1f} to {loads[-1][1]:.1f}",
                 highlight=False,
             )
-    return dict(
-        argv=sys.argv[1:],
-        steps=args.steps,
-        mtbf=args.mtbf,
-        seeds=args.seeds,
-        configs=list(args.configs),
-        every=bench.every,
-        mix=args.mix,
-        machine_share=args.machine_share,
-        every_durable=bench.every_durable,
-        cost_prior=bench.cost_prior,
-        compile_cache=args.compile_cache,
-        calibration=None if not calibrated else [cal_cost, cal_tau],
-        loads=loads,
-        disk=filesystem(str(workdir)),
-        elapsed_s=time.monotonic() - started,
-    )
+        # The seeds done so far: --analyse reports on them if the run is stopped.
+        setup.update(seeds=seed + 1, elapsed_s=time.monotonic() - started)
+        (workdir / SETUP).write_text(json.dumps(setup, indent=1) + "\n")
+    return setup
 
 
 def analyse(setup: dict, workdir: Path) -> Report:
@@ -277,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-bench-"))
         workdir.mkdir(parents=True, exist_ok=True)
         setup = run_all(args, workdir, console)
-        (workdir / SETUP).write_text(json.dumps(setup, indent=1) + "\n")
     report = analyse(setup, workdir)
     report.print(console)
     mix = isinstance(report, MixReport)
@@ -327,6 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "orbax-fixed gets) or the policies' default",
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model, to test the machinery")
+    p.add_argument("--small", action="store_true",
+                   help="a smaller model (a 49 MiB state), for a loaded machine")  # fmt: skip
     p.add_argument("--compile-cache", action="store_true",
                    help="restarts load compiled programs from JAX's persistent cache (one per "
                    "run) instead of compiling them")  # fmt: skip
