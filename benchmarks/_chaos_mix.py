@@ -358,7 +358,7 @@ class MixReport(Report):
     def markdown(self) -> str:
         su = self.setup
         lines = [
-            "## Live chaos benchmark, failure mix (`benchmarks/chaos_bench.py --mix`)",
+            "## Live chaos benchmark under a failure mix (`benchmarks/chaos_bench.py`)",
             "",
             f"Machine: {cpu_and_ram()}; work directory on {su.get('disk', '?')}; memory tier "
             f"on tmpfs; {datetime.date.today().isoformat()}; Python {platform.python_version()}."

@@ -49,9 +49,25 @@ interval, the phases of every start) and the supervisor's kill times:
   step time against the failure-free run's, and the saves a failure destroyed before they were
   committed.
 
+**The failure mix** (``--mix``): each failure is also drawn a class (``--machine-share`` of
+machine failures, default 0.2; the same times and classes for every configuration of a seed). A
+process kill leaves the memory tier and the local disk; a machine failure deletes both before
+the restart, which then reads the durable tier (a directory standing for remote storage).
+Configurations: ``coci-2level`` and ``young-2level`` (memory tier, local disk and durable tier,
+the two-level policy of that name, told each class's MTBF), ``coci-1level`` (``coci`` told the
+MTBF of all failures, the local disk drained to the durable tier, no memory tier) and
+``orbax-fixed`` (Orbax's manager on the local disk at Young's interval for all failures, and a
+second Orbax manager on the durable path at Young's interval for machine failures, rounded to a
+multiple of the first, saving there instead of locally at those steps), and ``no-failures``.
+Each run is measured as above and replayed by the two-level :func:`cocijax.sim.replay`; the
+report gives the failures by class, the saves by level, the recovery by class and the tier that
+served it, and each configuration's paired 95% t interval (over seeds) of its overhead minus
+``coci-2level``'s (``_chaos_mix``).
+
 Run (under the benchmark lock on a shared machine)::
 
     python benchmarks/chaos_bench.py [--quick] [--seeds 3] [--json PATH] [--write]
+    python benchmarks/chaos_bench.py --mix [--small] [--seeds 6] [--json PATH] [--write]
 
 ``--quick`` runs one seed of a short job (a few minutes on a quiet machine); ``--json`` writes
 the runs; ``--workdir DIR`` keeps the logs, which ``--analyse DIR`` reports on again without
