@@ -85,7 +85,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,10 +131,9 @@ class Bench:
         self.cost_prior: float | None = None  # cocijax policies' cost_prior_s (None: default)
         self.memory = SHM / f"{workdir.name}-memory"  # --mix: the memory tiers
 
-    def run(self, config: str, name: str, failures, steps: int = 0, every: int = 0,
-            mix: bool = False) -> Path:  # fmt: skip
-        """Runs one configuration to the end; returns its log."""
-        steps, every = steps or self.args.steps, every or self.every
+    def command(self, config: str, name: str, steps: int, every: int, mix: bool):
+        """``(cmd, env, paths)``: the job's command line and environment for one run, and
+        where it keeps its checkpoints (local, durable, memory)."""
         log = self.workdir / f"{name}.jsonl"
         ckpt = self.workdir / f"{name}-ckpt"
         durable, memory = Path(f"{ckpt}-durable"), self.memory / name
@@ -156,21 +157,58 @@ class Bench:
         env = None
         if self.args.compile_cache:
             # Every start after the first of a configuration loads its compiled programs; with
-            # --mix the first too (one cache for all: its first start is before the clock).
+            # --mix the first too (one cache for all, warmed by `warm`).
             cache = self.workdir / "jax-cache" if mix else Path(f"{ckpt}-jax-cache")
             env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
+        return cmd, env, (ckpt, durable, memory, Path(f"{ckpt}-jax-cache"))
+
+    def run(self, config: str, name: str, failures, steps: int = 0, every: int = 0,
+            mix: bool = False) -> Path:  # fmt: skip
+        """Runs one configuration to the end; returns its log."""
+        steps, every = steps or self.args.steps, every or self.every
+        cmd, env, paths = self.command(config, name, steps, every, mix)
+        ckpt, _, memory, _ = paths
 
         def lose_machine() -> None:  # what a machine failure takes: memory and local disk
             shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(memory, ignore_errors=True)
 
+        log = self.workdir / f"{name}.jsonl"
         try:
             supervise(cmd, log, failures, steps, self.args.timeout, env, lose_machine)
         finally:
-            for path in (ckpt, durable, memory, Path(f"{ckpt}-jax-cache")):
+            for path in paths:
                 shutil.rmtree(path, ignore_errors=True)  # hundreds of MiB per run
         return log
+
+    def warm(self, config: str) -> None:
+        """Runs the configuration's job (no failures) until it has saved twice, then kills it.
+
+        Its compiled programs (the training step, the policy) are then in the shared cache
+        before any failure can strike: on a loaded machine a compilation can outlast the MTBF,
+        and a process killed while compiling caches nothing, so every restart would compile
+        again and the job would never get far.
+        """
+        cmd, env, paths = self.command(config, f"warm-{config}", self.args.steps, self.every, True)
+        log = self.workdir / f"warm-{config}.jsonl"
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, env=env)  # fmt: skip
+        deadline = time.monotonic() + self.args.timeout
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                events = [a for att in read_log(log) for a in att.saves] if log.exists() else []
+                if len(events) >= 2:
+                    break
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for path in (*paths, log, log.with_suffix(".stderr")):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
+                    missing_ok=True
+                )
 
     def calibrate(self) -> tuple[float, float]:
         """The blocking time of an Orbax save and the step time, as a user would measure them.
@@ -238,6 +276,10 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
         loads=loads,
         disk=filesystem(str(workdir)),
     )
+    if args.mix and args.compile_cache:
+        for config in args.configs:
+            if config != "no-failures":
+                bench.warm(config)
     for seed in range(args.seeds):
         for config in order(list(args.configs), seed):
             load = os.getloadavg()[0]
