@@ -352,7 +352,42 @@ class MixReport(Report):
         )
 
     def findings(self) -> list[str]:
+        """The machine's noise, where the overhead went, what a restore from each tier cost,
+        and where the replay and the run parted, computed from the runs."""
         out = Report.findings(self)[:1]  # the machine's noise
+        if not self.scored:
+            return out
+        parts = []
+        for c, rs in self.by_config().items():
+            m = {
+                k: statistics.fmean(f(r) for r in rs)
+                for k, f in (("overhead", lambda r: r.overhead_s), ("stall", lambda r: r.m.stall_s),
+                             ("recomputed", lambda r: r.m.recompute_s),
+                             ("recovery", lambda r: r.m.recovery_s), ("rest", lambda r: r.rest_s))
+            }  # fmt: skip
+            split = " + ".join(f"{k} {v:.1f}" for k, v in m.items() if k != "overhead")
+            parts.append(f"{c} {m['overhead']:.1f} s = {split}")
+        out.append(f"Where the mean overhead went: {'; '.join(parts)}.")
+        by_tier: dict[str, list[dict]] = {}
+        for r in self.scored:
+            attempts = [a for a in self.attempts[r.config, r.seed][1:] if a.ready is not None]
+            for x, att in zip(r.m.restarts, attempts, strict=False):
+                by_tier.setdefault(att.tier or "scratch", []).append(x)
+        each = [
+            f"{t} {statistics.fmean(sum(x.values()) for x in xs):.1f} s (restore "
+            f"{statistics.fmean(x['restore or init'] for x in xs):.2f} s, process start "
+            f"{statistics.fmean(x['start'] for x in xs):.1f} s; {len(xs)} restarts)"
+            for t, xs in sorted(by_tier.items())
+        ]
+        out.append(
+            f"Mean restart (kill to training) by the tier it restored from: {'; '.join(each)}."
+        )
+        drift = [r for r in self.scored if round(r.sim.failures) != len(r.m.failure_times)]
+        out.append(
+            f"{len(drift)} of {len(self.scored)} replays met another number of failures than "
+            "their run: the replayed job (at the run's mean step, stall and recovery times) had "
+            "ended, or was elsewhere, when they came."
+        )
         return out
 
     def markdown(self) -> str:

@@ -96,7 +96,7 @@ from pathlib import Path
 from _chaos_mix import MIX_CONFIGS, TWO_LEVEL, MixReport, replay_mix
 from _chaos_report import Report
 from _chaos_runs import CONFIGS, TIME_WEIGHT, Result, expect, measure, read_log, score
-from _chaos_supervisor import mixed_failures, poisson_failures, supervise
+from _chaos_supervisor import append, mixed_failures, poisson_failures, supervise
 from _report import filesystem, write_section
 from rich.console import Console
 
@@ -192,6 +192,7 @@ class Bench:
         """
         cmd, env, paths = self.command(config, f"warm-{config}", self.args.steps, self.every, True)
         log = self.workdir / f"warm-{config}.jsonl"
+        append(log, {"event": "spawn", "t": time.monotonic()})
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, env=env)  # fmt: skip
         deadline = time.monotonic() + self.args.timeout
