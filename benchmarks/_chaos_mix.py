@@ -130,7 +130,7 @@ class MixReport(Report):
             "overhead_s": num(r.overhead_s),
             "weighted_overhead_s": num(r.weighted_s),
             "recovery_phases": phases,
-            "restored_tiers": [att.tier for att in self.attempts[r.config, r.seed][1:]],
+            "restored_tiers": [a.tier for a in self.attempts[r.config, r.seed][1:] if a.ready],
             "sim_overhead_s": num(r.sim_s),
             "sim_weighted_overhead_s": num(
                 r.sim.weighted_overhead_s + r.work_beyond_s if r.sim else math.nan
@@ -382,6 +382,14 @@ class MixReport(Report):
         out.append(
             f"Mean restart (kill to training) by the tier it restored from: {'; '.join(each)}."
         )
+        calm = [s for s in sorted(self.base)
+                if not any(r.m.failure_times for r in self.scored if r.seed == s)]  # fmt: skip
+        if calm:
+            out.append(
+                f"No failure struck any run of seed(s) {', '.join(map(str, calm))} (the jobs "
+                "ended before the first failure time): their overheads are the machine's noise, "
+                "and they count in the means and the paired intervals as they are."
+            )
         drift = [r for r in self.scored if round(r.sim.failures) != len(r.m.failure_times)]
         out.append(
             f"{len(drift)} of {len(self.scored)} replays met another number of failures than "

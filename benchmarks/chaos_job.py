@@ -219,7 +219,7 @@ class Checkpoints:
 
     def __init__(self, args: argparse.Namespace):
         self.mngr = self.durable = None
-        self.pending: dict[str, set[int]] = {"memory": set(), "local": set(), "durable": set()}
+        self.pending: dict[str, set[int]] = {"memory": set(), "durable": set()}  # not committed
         self.every_durable = args.every_durable
         self.memory, self.has_durable = args.memory is not None, args.durable is not None
         if args.config == "orbax-fixed":
@@ -261,14 +261,18 @@ class Checkpoints:
             return None
         t0 = time.monotonic()
         if isinstance(self.mngr, ocp.CheckpointManager):
-            level = 2 if self.durable is not None and step % self.every_durable == 0 else 1
-            mngr = self.durable if level == 2 else self.mngr
+            # With a durable manager: there (level 2) every --every-durable steps, else on the
+            # local disk (level 1); without one, its local saves are all it has (level 2).
+            durable = self.durable is not None and step % self.every_durable == 0
+            level, local = (2 if durable or self.durable is None else 1), not durable
+            mngr = self.durable if durable else self.mngr
             saved = mngr.save(step, args=ocp.args.StandardSave(state))
         else:
             saved = self.mngr.save(step, state, loss=loss)
             # A two-level policy's level-1 save goes to the memory tier only (not to Orbax's
             # manager of the disk); every save of a one-level policy is persisted.
             level = 2 if step in self.mngr.orbax.all_steps() else 1
+            local = level == 2 or not self.memory
         t1 = time.monotonic()
         if not saved:
             return None
@@ -276,9 +280,8 @@ class Checkpoints:
             self.pending["memory"].add(step)
         if level == 2 and self.has_durable:
             self.pending["durable"].add(step)
-        record = {"event": "save", "step": step, "t0": t0, "t1": t1, "level": level}
-        # Whether it went to the local disk (its commit is logged as the existing mode's).
-        record["local"] = level == 1 if self.durable is not None else level == 2 or not self.memory
+        # "local": whether it went to the local disk (its commit is logged as before the mix).
+        record = {"event": "save", "step": step, "t0": t0, "t1": t1, "level": level, "local": local}
         if isinstance(self.mngr, cj.CheckpointManager):
             m = self.mngr.measurements
             record.update(
