@@ -400,7 +400,7 @@ def test_each_mix_config_starts_the_job_with_its_tiers(bench, tmp_path, monkeypa
     import chaos_job
 
     args = bench.parse_args(["--mix", "--tiny", "--workdir", str(tmp_path)])
-    assert args.configs == list(bench.MIX_CONFIGS) and (args.seeds, args.steps) == (6, 4000)
+    assert args.configs == list(bench.MIX_CONFIGS) and (args.seeds, args.steps) == (6, 5000)
     b = bench.Bench(args, tmp_path)
     b.every, b.every_durable, b.cost_prior = 50, 200, 0.01
     seen = {}
@@ -415,7 +415,7 @@ def test_each_mix_config_starts_the_job_with_its_tiers(bench, tmp_path, monkeypa
     assert job.durable is not None and job.config == config
     if config in ("coci-2level", "young-2level"):
         assert job.memory is not None
-        assert (job.mtbf, job.machine_mtbf) == pytest.approx((6.0 / 0.8, 6.0 / 0.2))
+        assert (job.mtbf, job.machine_mtbf) == pytest.approx((20.0 / 0.8, 20.0 / 0.2))
     else:
         assert job.memory is None
     job.dir.mkdir(parents=True)
