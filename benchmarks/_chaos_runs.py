@@ -35,6 +35,11 @@ class Attempt:
     saves: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t0, t1)
     commits: dict[int, float] = field(default_factory=dict)  # step: when its save committed
     kill: float | None = None
+    # The failure mix (``chaos_bench --mix``):
+    machine: bool = False  # its kill was a machine failure (memory and local disk lost)
+    tier: str | None = None  # the tier its restore read
+    levels: dict[int, int] = field(default_factory=dict)  # step: the level of its save
+    tier_commits: dict[str, dict[int, float]] = field(default_factory=dict)  # memory, durable
     digest: str | None = None
     state_mib: float = math.nan
 
@@ -51,17 +56,20 @@ def read_log(path: Path) -> list[Attempt]:
             attempts.append(Attempt(spawn=r["t"]))
         elif event == "ready":
             att = attempts[-1]
-            att.ready, att.restored = r["t"], r["restored"] or 0
+            att.ready, att.restored, att.tier = r["t"], r["restored"] or 0, r.get("tier")
             att.state_mib = r.get("state_mib", math.nan)
             att.phases = {
                 k: r[k] for k in ("imports", "open", "restore", "init", "compile") if k in r
             }
         elif event == "save":
             attempts[-1].saves.append((r["step"], r["t0"], r["t1"]))
+            attempts[-1].levels[r["step"]] = r.get("level", 2)
+        elif event == "commit" and "tier" in r:
+            attempts[-1].tier_commits.setdefault(r["tier"], {})[r["step"]] = r["t"]
         elif event == "commit":
             attempts[-1].commits[r["step"]] = r["t"]
         elif event == "kill":
-            attempts[-1].kill = r["t"]
+            attempts[-1].kill, attempts[-1].machine = r["t"], r.get("machine", False)
         elif event == "done":
             attempts[-1].digest = r["digest"]
         elif "step" in r:
@@ -93,6 +101,22 @@ def warm_up(attempts: list[Attempt]) -> list[Attempt]:
     return out
 
 
+def lost_later(attempts: list[Attempt], i: int, resumed: int, w: np.ndarray) -> tuple[float, float]:
+    """``(seconds, weighted)`` of the work of attempt ``i`` up to step ``resumed`` (where the
+    next process resumed) that a later failure rolled back: a machine failure that lost the
+    newer saves of the memory tier and the local disk sends the job back past them."""
+    att = attempts[i]
+    lowest = min(a.restored for a in attempts[i + 1 :] if a.ready is not None)
+    seconds = weighted = 0.0
+    prev = att.ready
+    for s, t, _ in att.steps:
+        d = t - prev - att.stalls(prev, t)
+        if lowest < s <= resumed:
+            seconds, weighted = seconds + d, weighted + w[s - 1] * d
+        prev = t
+    return seconds, weighted
+
+
 @dataclass
 class Measured:
     """What one run did (seconds)."""
@@ -107,6 +131,8 @@ class Measured:
     recompute_weighted_s: float
     recovery_s: float
     restarts: list[dict[str, float]]  # each completed recovery's phases (PHASES)
+    restart_machine: list[bool]  # of each restart: whether the failure before it lost the machine
+    failure_machine: list[bool]  # of each failure in failure_times: a machine failure
     lost_saves: int  # saves a failure destroyed before they were committed
     commit_s: float  # median time from the end of a save's stall to its commit (0: none seen)
     step_time_s: float  # mean, stalls excluded
@@ -128,7 +154,7 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
     origin = attempts[0].ready
     end = next(t for att in attempts for s, t, _ in att.steps if s == n_steps)
     recovery = lost = lost_w = uncommitted = 0.0
-    restarts, down, lost_saves = [], [], 0
+    restarts, restart_machine, down, lost_saves = [], [], [], 0
     for prev_att, att in itertools.pairwise(attempts):
         if prev_att.kill >= end:
             break  # a failure after the last step: nothing to recover
@@ -142,6 +168,7 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
             restarts.append(
                 {k: b - a for k, (a, b) in zip(PHASES, itertools.pairwise(marks), strict=True)}
             )
+            restart_machine.append(prev_att.machine)
     for i, att in enumerate(attempts):
         if att.kill is None or att.ready is None or att.kill >= end:
             continue
@@ -159,6 +186,8 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
         partial = att.kill - prev - att.stalls(prev, att.kill)
         lost += partial
         lost_w += w[min(next_step, n_steps) - 1] * partial
+        later, later_w = lost_later(attempts, i, resumed, w)
+        lost, lost_w = lost + later, lost_w + later_w
         # A save whose stall had ended but which had not committed: a model in which a save is
         # safe once its stall ends (the simulator's) loses only the work after that stall.
         unsafe = [b for s, _, b in att.saves if s > resumed and b <= att.kill]
@@ -177,9 +206,11 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
         curves.append(np.array([(t - origin, loss) for _, t, loss in att.steps]).reshape(-1, 2))
     saves = [(s, a, b) for att in attempts for s, a, b in att.saves if a < end]
     commits = [att.commits[s] - b for att in attempts for s, _, b in att.saves if s in att.commits]
+    failed = [a for a in attempts if a.kill is not None and a.kill < end]
     return Measured(
         wall_s=end - origin,
-        failure_times=[a.kill - origin for a in attempts if a.kill is not None and a.kill < end],
+        failure_times=[a.kill - origin for a in failed],
+        failure_machine=[a.machine for a in failed],
         save_steps=sorted({s for s, _, _ in saves}),
         save_times=[a - origin for _, a, _ in saves],
         stall_s=sum(b - a for _, a, b in saves),
@@ -188,6 +219,7 @@ def measure(attempts: list[Attempt], n_steps: int, weights: np.ndarray | None) -
         recompute_weighted_s=lost_w,
         recovery_s=recovery,
         restarts=restarts,
+        restart_machine=restart_machine,
         lost_saves=lost_saves,
         commit_s=statistics.median(commits) if commits else 0.0,
         step_time_s=statistics.fmean(durations),

@@ -26,6 +26,15 @@ def poisson_failures(seed: int, mtbf_s: float):
         yield t
 
 
+def mixed_failures(seed: int, mtbf_s: float, machine_share: float):
+    """The failures of :func:`poisson_failures` (the same times), each with its class:
+    ``(t, machine)`` pairs, a machine failure with probability ``machine_share``, drawn from a
+    generator of its own so that the classes are the same for every config of a seed."""
+    classes = np.random.default_rng((seed, 1))
+    for t in poisson_failures(seed, mtbf_s):
+        yield t, bool(classes.random() < machine_share)
+
+
 def append(log: Path, record: dict) -> None:
     """Adds a supervisor record to the job's log (only while no job process is alive)."""
     with log.open("a+b") as f:
@@ -70,13 +79,21 @@ class LogTail:
 
 
 def supervise(
-    cmd: list[str], log: Path, failures, n_steps: int, timeout_s: float, env: dict | None = None
+    cmd: list[str],
+    log: Path,
+    failures,
+    n_steps: int,
+    timeout_s: float,
+    env: dict | None = None,
+    lose_machine=None,
 ) -> None:
     """Runs ``cmd`` until it has trained ``n_steps``, killing it at the given failure times.
 
     ``failures`` yields seconds after the first process's ``ready`` record (the start of
-    training); a failure due after the last step was logged is not delivered. Each kill and
-    each start is appended to the log (``kill`` and ``spawn`` records).
+    training), or ``(seconds, machine)`` pairs; a failure due after the last step was logged is
+    not delivered. After the kill of a machine failure, ``lose_machine()`` deletes what the
+    machine held (the memory tier, the local disk) before the restart. Each kill (``machine``
+    says its class) and each start is appended to the log (``kill`` and ``spawn`` records).
 
     Raises:
       RuntimeError: the job exited with an error of its own, or ran past ``timeout_s``.
@@ -120,13 +137,17 @@ def supervise(
             if not wait(proc, time.monotonic() + 0.02):
                 return
             tail.update()
-        for offset in failures:
+        for failure in failures:
+            offset, machine = failure if isinstance(failure, tuple) else (failure, False)
             if not wait(proc, tail.ready + offset):
                 return
             tail.update()
             if tail.trained:  # nothing left to destroy
                 break
-            append(log, {"event": "kill", "t": kill(proc)})
+            t = kill(proc)
+            if machine:
+                lose_machine()
+            append(log, {"event": "kill", "t": t, "machine": machine})
             proc = spawn()
         wait(proc, deadline)
     finally:

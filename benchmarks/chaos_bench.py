@@ -49,9 +49,25 @@ interval, the phases of every start) and the supervisor's kill times:
   step time against the failure-free run's, and the saves a failure destroyed before they were
   committed.
 
+**The failure mix** (``--mix``): each failure is also drawn a class (``--machine-share`` of
+machine failures, default 0.2; the same times and classes for every configuration of a seed). A
+process kill leaves the memory tier and the local disk; a machine failure deletes both before
+the restart, which then reads the durable tier (a directory standing for remote storage).
+Configurations: ``coci-2level`` and ``young-2level`` (memory tier, local disk and durable tier,
+the two-level policy of that name, told each class's MTBF), ``coci-1level`` (``coci`` told the
+MTBF of all failures, the local disk drained to the durable tier, no memory tier) and
+``orbax-fixed`` (Orbax's manager on the local disk at Young's interval for all failures, and a
+second Orbax manager on the durable path at Young's interval for machine failures, rounded to a
+multiple of the first, saving there instead of locally at those steps), and ``no-failures``.
+Each run is measured as above and replayed by the two-level :func:`cocijax.sim.replay`; the
+report gives the failures by class, the saves by level, the recovery by class and the tier that
+served it, and each configuration's paired 95% t interval (over seeds) of its overhead minus
+``coci-2level``'s (``_chaos_mix``).
+
 Run (under the benchmark lock on a shared machine)::
 
     python benchmarks/chaos_bench.py [--quick] [--seeds 3] [--json PATH] [--write]
+    python benchmarks/chaos_bench.py --mix [--small] [--seeds 6] [--json PATH] [--write]
 
 ``--quick`` runs one seed of a short job (a few minutes on a quiet machine); ``--json`` writes
 the runs; ``--workdir DIR`` keeps the logs, which ``--analyse DIR`` reports on again without
@@ -69,15 +85,18 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _chaos_mix import MIX_CONFIGS, TWO_LEVEL, MixReport, replay_mix
 from _chaos_report import Report
 from _chaos_runs import CONFIGS, TIME_WEIGHT, Result, expect, measure, read_log, score
-from _chaos_supervisor import poisson_failures, supervise
+from _chaos_supervisor import append, mixed_failures, poisson_failures, supervise
 from _report import filesystem, write_section
 from rich.console import Console
 
@@ -87,8 +106,14 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().with_name("chaos_job.py")
 DOC_PNG = ROOT / "docs" / "chaos_bench.png"
 SECTION = "chaos_bench"
+SECTION_MIX = "chaos_bench_mix"
 FULL = dict(seeds=3, steps=10000, mtbf=20.0)
 QUICK = dict(seeds=1, steps=3000, mtbf=10.0)
+# --mix's defaults, for a quiet machine (the recorded run used --small and its own sizes).
+MIX_FULL = dict(seeds=6, steps=5000, mtbf=20.0)
+MIX_QUICK = dict(seeds=1, steps=2000, mtbf=10.0)
+SHM = Path("/dev/shm")  # the memory tier's tmpfs (Linux)
+SMALL_JOB = ["--buckets", str(2**16), "--hidden", "256", "--batch", "128"]
 TINY_JOB = ["--buckets", "4096", "--dim", "8", "--hidden", "32", "--batch", "64"]
 CALIBRATION = dict(steps=400, every=100)  # the Orbax save cost a user would measure
 SETUP = "setup.json"  # in the work directory: what --analyse needs besides the logs
@@ -103,32 +128,88 @@ class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path):
         self.args, self.workdir = args, workdir
         self.every: int | None = args.every  # orbax-fixed's save_interval_steps
+        self.every_durable: int | None = None  # --mix: orbax-fixed's durable manager's
         self.cost_prior: float | None = None  # cocijax policies' cost_prior_s (None: default)
+        self.memory = SHM / f"{workdir.name}-memory"  # --mix: the memory tiers
 
-    def run(self, config: str, name: str, failures, steps: int = 0, every: int = 0) -> Path:
-        """Runs one configuration to the end; returns its log."""
-        steps, every = steps or self.args.steps, every or self.every
+    def command(self, config: str, name: str, steps: int, every: int, mix: bool):
+        """``(cmd, env, paths)``: the job's command line and environment for one run, and
+        where it keeps its checkpoints (local, durable, memory)."""
         log = self.workdir / f"{name}.jsonl"
         ckpt = self.workdir / f"{name}-ckpt"
+        durable, memory = Path(f"{ckpt}-durable"), self.memory / name
         cmd = [sys.executable, str(JOB), "--config", config, "--log", str(log),
                "--steps", str(steps), *(TINY_JOB if self.args.tiny else [])]  # fmt: skip
+        cmd += SMALL_JOB if self.args.small and not self.args.tiny else []
         if config == "orbax-fixed":
             cmd += ["--dir", str(ckpt), "--every", str(every)]
+            if mix:
+                cmd += ["--durable", str(durable), "--every-durable", str(self.every_durable)]
         elif config != "no-failures":
-            cmd += ["--dir", str(ckpt), "--mtbf", str(self.args.mtbf)]
+            mtbf = self.args.mtbf
+            if config in TWO_LEVEL:  # told each class's MTBF
+                share = self.args.machine_share
+                cmd += ["--memory", str(memory), "--machine-mtbf", str(mtbf / share)]
+                mtbf /= 1.0 - share
+            cmd += ["--dir", str(ckpt), "--mtbf", str(mtbf)]
+            cmd += ["--durable", str(durable)] if mix else []
             if self.cost_prior is not None:
                 cmd += ["--cost-prior", str(self.cost_prior)]
         env = None
         if self.args.compile_cache:
-            # Every start after the first of a configuration loads its compiled programs.
-            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(ckpt) + "-jax-cache",
+            # Every start after the first of a configuration loads its compiled programs; with
+            # --mix the first too (one cache for all, warmed by `warm`).
+            cache = self.workdir / "jax-cache" if mix else Path(f"{ckpt}-jax-cache")
+            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
+        return cmd, env, (ckpt, durable, memory, Path(f"{ckpt}-jax-cache"))
+
+    def run(self, config: str, name: str, failures, steps: int = 0, every: int = 0,
+            mix: bool = False) -> Path:  # fmt: skip
+        """Runs one configuration to the end; returns its log."""
+        steps, every = steps or self.args.steps, every or self.every
+        cmd, env, paths = self.command(config, name, steps, every, mix)
+        ckpt, _, memory, _ = paths
+
+        def lose_machine() -> None:  # what a machine failure takes: memory and local disk
+            shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(memory, ignore_errors=True)
+
+        log = self.workdir / f"{name}.jsonl"
         try:
-            supervise(cmd, log, failures, steps, self.args.timeout, env)
+            supervise(cmd, log, failures, steps, self.args.timeout, env, lose_machine)
         finally:
-            shutil.rmtree(ckpt, ignore_errors=True)  # hundreds of MiB per run
-            shutil.rmtree(str(ckpt) + "-jax-cache", ignore_errors=True)
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)  # hundreds of MiB per run
         return log
+
+    def warm(self, config: str) -> None:
+        """Runs the configuration's job (no failures) until it has saved twice, then kills it.
+
+        Its compiled programs (the training step, the policy) are then in the shared cache
+        before any failure can strike: on a loaded machine a compilation can outlast the MTBF,
+        and a process killed while compiling caches nothing, so every restart would compile
+        again and the job would never get far.
+        """
+        cmd, env, paths = self.command(config, f"warm-{config}", self.args.steps, self.every, True)
+        log = self.workdir / f"warm-{config}.jsonl"
+        append(log, {"event": "spawn", "t": time.monotonic()})
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, env=env)  # fmt: skip
+        deadline = time.monotonic() + self.args.timeout
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                events = [a for att in read_log(log) for a in att.saves] if log.exists() else []
+                if len(events) >= 2:
+                    break
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+            log.unlink(missing_ok=True)
 
     def calibrate(self) -> tuple[float, float]:
         """The blocking time of an Orbax save and the step time, as a user would measure them.
@@ -154,10 +235,11 @@ def order(configs: list[str], seed: int) -> list[str]:
 
 
 def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
-    """Runs the calibration and every configuration of every seed; returns the setup record."""
+    """Runs the calibration and every configuration of every seed; returns the setup record,
+    written to the work directory after each seed."""
     bench = Bench(args, workdir)
     started = time.monotonic()
-    cj_configs = set(args.configs) & {"coci", "young", "daly"}
+    cj_configs = set(args.configs) - {"orbax-fixed", "no-failures"}
     calibrated = ("orbax-fixed" in args.configs and not args.every) or (
         args.cost_prior == "calibrated" and cj_configs
     )
@@ -166,45 +248,64 @@ def run_all(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
         if not args.every:
             interval = float(cj.policies.young_interval(cal_cost, args.mtbf))
             bench.every = max(1, round(interval / cal_tau))
+            # --mix: its durable manager at Young's interval for machine failures, a multiple.
+            machine = float(cj.policies.young_interval(cal_cost, args.mtbf / args.machine_share))
+            bench.every_durable = bench.every * max(1, round(machine / cal_tau / bench.every))
         if args.cost_prior == "calibrated":
             bench.cost_prior = round(cal_cost, 4)
         console.print(
             f"calibration: an Orbax save blocked {cal_cost * 1e3:.0f} ms, a step took "
-            f"{cal_tau * 1e3:.1f} ms (medians); orbax-fixed saves every {bench.every} steps; "
+            f"{cal_tau * 1e3:.1f} ms (medians); orbax-fixed saves every {bench.every} steps"
+            f"{f' (durable: every {bench.every_durable})' if args.mix else ''}; "
             f"cocijax policies' cost_prior_s: {bench.cost_prior or 'their default'}",
             highlight=False,
         )
     loads = []  # the 1-minute load average at the start and at the end of each run
-    for seed in range(args.seeds):
-        for config in order(list(args.configs), seed):
-            load = os.getloadavg()[0]
-            if config == "no-failures":
-                draws = iter(())
-            else:
-                draws = iter(args.fail_at) if args.fail_at else poisson_failures(seed, args.mtbf)
-            t0 = time.monotonic()
-            log = bench.run(config, f"{config}-seed{seed}", draws)
-            kills = sum(a.kill is not None for a in read_log(log))
-            loads.append([load, os.getloadavg()[0]])
-            console.print(
-                f"seed {seed} {config:12s} {time.monotonic() - t0:6.1f} s, {kills} kills, "
-                f"load {loads[-1][0]:.1f} to {loads[-1][1]:.1f}",
-                highlight=False,
-            )
-    return dict(
+    setup = dict(
         argv=sys.argv[1:],
         steps=args.steps,
         mtbf=args.mtbf,
-        seeds=args.seeds,
+        seeds=0,
         configs=list(args.configs),
         every=bench.every,
+        mix=args.mix,
+        machine_share=args.machine_share,
+        every_durable=bench.every_durable,
         cost_prior=bench.cost_prior,
         compile_cache=args.compile_cache,
         calibration=None if not calibrated else [cal_cost, cal_tau],
         loads=loads,
         disk=filesystem(str(workdir)),
-        elapsed_s=time.monotonic() - started,
     )
+    if args.mix and args.compile_cache:
+        for config in args.configs:
+            if config != "no-failures":
+                bench.warm(config)
+    for seed in range(args.seeds):
+        for config in order(list(args.configs), seed):
+            load = os.getloadavg()[0]
+            if config == "no-failures":
+                draws = iter(())
+            elif args.fail_at:
+                draws = iter(args.fail_at)
+            elif args.mix:
+                draws = mixed_failures(seed, args.mtbf, args.machine_share)
+            else:
+                draws = poisson_failures(seed, args.mtbf)
+            t0 = time.monotonic()
+            log = bench.run(config, f"{config}-seed{seed}", draws, mix=args.mix)
+            kills = [a.machine for a in read_log(log) if a.kill is not None]
+            loads.append([load, os.getloadavg()[0]])
+            console.print(
+                f"seed {seed} {config:12s} {time.monotonic() - t0:6.1f} s, {len(kills)} kills "
+                f"({sum(kills)} machine), "
+                f"load {loads[-1][0]:.1f} to {loads[-1][1]:.1f}",
+                highlight=False,
+            )
+        # The seeds done so far: --analyse reports on them if the run is stopped.
+        setup.update(seeds=seed + 1, elapsed_s=time.monotonic() - started)
+        (workdir / SETUP).write_text(json.dumps(setup, indent=1) + "\n")
+    return setup
 
 
 def analyse(setup: dict, workdir: Path) -> Report:
@@ -224,7 +325,11 @@ def analyse(setup: dict, workdir: Path) -> Report:
         for config in setup["configs"]:
             res = Result(config, seed, measure(logs[config, seed], n, weights))
             score(res, baseline_s, weights, n)
+            if setup.get("mix") and config != "no-failures":
+                replay_mix(res, logs[config, seed], n)
             results.append(res)
+    if setup.get("mix"):
+        return MixReport(setup, results, logs)
     expect(results, setup["mtbf"], statistics.median(m.step_time_s for m in bases))
     return Report(setup, results)
 
@@ -239,15 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-bench-"))
         workdir.mkdir(parents=True, exist_ok=True)
         setup = run_all(args, workdir, console)
-        (workdir / SETUP).write_text(json.dumps(setup, indent=1) + "\n")
     report = analyse(setup, workdir)
     report.print(console)
+    mix = isinstance(report, MixReport)
     if args.json:
-        args.json.write_text(json.dumps({"runs": report.json_runs()}, indent=1) + "\n")
-    if args.plot or args.write:
+        out = report.json() if mix else {"runs": report.json_runs()}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.plot or (args.write and not mix):  # the figure is the one-level mode's
         report.plot(args.plot or DOC_PNG)
     if args.write:
-        write_section(SECTION, report.markdown())
+        write_section(SECTION_MIX if mix else SECTION, report.markdown())
     if not (args.workdir or args.analyse):
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
@@ -259,7 +365,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, help=f"failure seeds (default {FULL['seeds']})")
     p.add_argument("--steps", type=int, help=f"training steps (default {FULL['steps']})")
     p.add_argument("--mtbf", type=float, help=f"MTBF in seconds (default {FULL['mtbf']:g})")
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument(
+        "--mix",
+        action="store_true",
+        help="a failure mix: process kills and machine failures, two-level configs",
+    )
+    p.add_argument(
+        "--machine-share",
+        type=float,
+        default=0.2,
+        help="--mix: the share of machine failures (default 0.2)",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        choices=sorted({*CONFIGS, *MIX_CONFIGS}),
+        help=f"default: {' '.join(CONFIGS)}; with --mix {' '.join(MIX_CONFIGS)}",
+    )
     p.add_argument("--fail-at", type=float, nargs="+", metavar="S",
                    help="failure times (seconds of each run) instead of Poisson draws")  # fmt: skip
     p.add_argument("--every", type=int, help="orbax-fixed's interval (default: calibrated)")
@@ -271,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "orbax-fixed gets) or the policies' default",
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model, to test the machinery")
+    p.add_argument("--small", action="store_true",
+                   help="a smaller model (a 49 MiB state), for a loaded machine")  # fmt: skip
     p.add_argument("--compile-cache", action="store_true",
                    help="restarts load compiled programs from JAX's persistent cache (one per "
                    "run) instead of compiling them")  # fmt: skip
@@ -282,10 +406,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="draw the figure here (--write: docs/)")
     p.add_argument("--write", action="store_true", help="record the results in BENCHMARKS.md")
     args = p.parse_args(argv)
-    preset = QUICK if args.quick else FULL
+    preset = (
+        (MIX_QUICK if args.quick else MIX_FULL) if args.mix else (QUICK if args.quick else FULL)
+    )
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.configs = args.configs or list(MIX_CONFIGS if args.mix else CONFIGS)
+    allowed = MIX_CONFIGS if args.mix else CONFIGS
+    if set(args.configs) - set(allowed):
+        p.error(f"--configs: with{'' if args.mix else 'out'} --mix, choose from {allowed}")
+    if args.mix and not 0.0 < args.machine_share < 1.0:
+        p.error(f"--machine-share must be between 0 and 1, got {args.machine_share}")
+    if args.mix and args.fail_at:
+        p.error("--fail-at draws no failure classes: leave it out with --mix")
+    if args.mix and not SHM.is_dir():
+        p.error(f"--mix needs a tmpfs at {SHM} for the memory tier")
     if "no-failures" not in args.configs:
         p.error("--configs must include no-failures (the baseline of every overhead)")
     if args.seeds < 1 or args.steps < 2 or not args.mtbf > 0:

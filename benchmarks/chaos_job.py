@@ -25,20 +25,29 @@ state an uninterrupted one ends with; the ``done`` record carries a digest of th
 ``cj.CheckpointManager`` with the policy of that name, given ``--mtbf`` (and ``coci`` the job's
 length), and ``--cost-prior`` if set (the save cost assumed until the first save is timed);
 ``orbax-fixed`` through Orbax's own ``ocp.CheckpointManager`` with
-``save_interval_steps=--every``; ``no-failures`` never checkpoints.
+``save_interval_steps=--every``; ``no-failures`` never checkpoints. The failure mix
+(``chaos_bench --mix``): ``coci-2level`` and ``young-2level`` save through
+``cj.CheckpointManager`` with a memory tier (``--memory``), the local disk and a durable tier
+(``--durable``) with the two-level policy of that name, given ``--mtbf`` (process failures) and
+``--machine-mtbf``; ``coci-1level`` with ``coci`` (given ``--mtbf``: the MTBF of all failures),
+the local disk drained to ``--durable``, no memory tier; ``orbax-fixed`` with ``--durable`` adds
+an Orbax manager there, every ``--every-durable`` steps.
 
 **The log** (``--log``, JSON lines, appended and line-buffered so that a SIGKILL loses at most
 the line being written). Times are ``time.monotonic()`` seconds, one clock for every process on
 the machine (CLOCK_MONOTONIC on Linux), so the supervisor's kill times compare with them:
 
 * ``{"event": "ready", "t", "restored", ...}``: imports, restore and compilation are done;
-  training starts (``restored`` is the step resumed from, or null; ``state_mib`` the size of
-  the training state). Also when each phase of
-  the start ended: ``imports``, ``open`` (data, model and checkpoint manager set up),
+  training starts (``restored`` is the step resumed from, or null, ``tier`` the tier that
+  served it; ``state_mib`` the size of the training state). Also when each phase of the start
+  ended: ``imports``, ``open`` (data, model and checkpoint manager set up),
   ``restore`` (or ``init`` in a fresh run) and ``compile``;
 * ``{"step", "loss", "t"}`` after every step (the loss is read, so ``t`` is the step's end);
 * ``{"event": "save", "step", "t0", "t1", ...}`` after a save that blocked from ``t0`` to ``t1``
-  (for the cocijax manager, with what its policy was told: ``mngr.measurements``);
+  (``level`` 1: not persisted, 2: persisted; for the cocijax manager, with what its policy
+  was told: ``mngr.measurements``);
+* ``{"event": "commit", "tier", "step", "t"}`` at the end of the first step after a save
+  reached the memory tier or the durable tier (``tier``);
 * ``{"event": "commit", "step", "t"}`` at the end of the first step after a save's
   background write committed (asked after every step while one is writing);
 * ``{"event": "done", "t", "digest"}`` after the last step.
@@ -64,7 +73,8 @@ from flax import nnx
 
 import cocijax as cj
 
-CONFIGS = ("coci", "young", "daly", "orbax-fixed", "no-failures")
+CONFIGS = ("coci", "young", "daly", "orbax-fixed", "no-failures", "coci-2level",
+           "young-2level", "coci-1level")  # fmt: skip
 ORDERS = (1, 2, 3, 4, 5, 6)  # context lengths hashed into the table
 VOCAB = 97  # printable ASCII (95), newline, everything else
 TEXT_CHARS = 4_000_000
@@ -199,36 +209,51 @@ def digest(tree) -> str:
 
 
 class Checkpoints:
-    """The configuration's checkpointing: ``latest``, ``restore``, ``save`` (None: no save)."""
+    """The configuration's checkpointing: ``latest``, ``restore``, ``save`` (None: no save).
+
+    With ``--durable`` (the failure mix of ``chaos_bench --mix``) a machine failure deletes the
+    memory folder and the local directory: the job then restores from the durable path.
+    ``orbax-fixed`` gets a second Orbax manager there, saving every ``--every-durable`` steps
+    (at those steps instead of the local one): Orbax's own means of surviving the machine.
+    """
 
     def __init__(self, args: argparse.Namespace):
-        self.mngr = None
+        self.mngr = self.durable = None
+        self.pending: dict[str, set[int]] = {"memory": set(), "durable": set()}  # not committed
+        self.every_durable = args.every_durable
+        self.memory, self.has_durable = args.memory is not None, args.durable is not None
         if args.config == "orbax-fixed":
-            self.mngr = ocp.CheckpointManager(
-                args.dir.absolute(),
-                options=ocp.CheckpointManagerOptions(
-                    save_interval_steps=args.every, max_to_keep=args.max_to_keep
-                ),
-            )
+            self.mngr = self._orbax(args.dir, args.every, args.max_to_keep)
+            if args.durable is not None:
+                self.durable = self._orbax(args.durable, args.every_durable, args.max_to_keep)
         elif args.config != "no-failures":
-            kw = {"mtbf_s": args.mtbf}
-            if args.cost_prior is not None:
-                kw["cost_prior_s"] = args.cost_prior
-            if args.config == "coci":
-                kw["total_steps"] = args.steps
             self.mngr = cj.CheckpointManager(
                 args.dir,
-                policy=cj.policies.by_name(args.config, **kw),
+                policy=policy(args),
                 max_to_keep=args.max_to_keep,
+                memory=args.memory,
+                durable=args.durable,
+                durable_max_to_keep=args.max_to_keep if args.durable is not None else None,
             )
 
-    def latest(self) -> int:
-        return (self.mngr.latest_step() if self.mngr is not None else None) or 0
+    @staticmethod
+    def _orbax(directory: Path, every: int, max_to_keep: int) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=max_to_keep)
+        return ocp.CheckpointManager(directory.absolute(), options=options)
 
-    def restore(self, step: int, abstract: dict) -> dict:
+    def latest(self) -> int:
+        steps = [m.latest_step() for m in (self.mngr, self.durable) if m is not None]
+        return max([s for s in steps if s is not None] or [0])
+
+    def restore(self, step: int, abstract: dict) -> tuple[dict, str]:
+        """The state of ``step`` and the tier that served it."""
         if isinstance(self.mngr, ocp.CheckpointManager):
-            return self.mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-        return self.mngr.restore(step, target=abstract)
+            local = self.mngr.latest_step() == step
+            mngr = self.mngr if local else self.durable
+            state = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+            return state, "local" if local else "durable"
+        state = self.mngr.restore(step, target=abstract)
+        return state, self.mngr.restored_tier
 
     def save(self, step: int, state: dict, loss: jax.Array) -> dict | None:
         """Offers ``step`` to the manager; returns the save record when it saved."""
@@ -236,13 +261,27 @@ class Checkpoints:
             return None
         t0 = time.monotonic()
         if isinstance(self.mngr, ocp.CheckpointManager):
-            saved = self.mngr.save(step, args=ocp.args.StandardSave(state))
+            # With a durable manager: there (level 2) every --every-durable steps, else on the
+            # local disk (level 1); without one, its local saves are all it has (level 2).
+            durable = self.durable is not None and step % self.every_durable == 0
+            level, local = (2 if durable or self.durable is None else 1), not durable
+            mngr = self.durable if durable else self.mngr
+            saved = mngr.save(step, args=ocp.args.StandardSave(state))
         else:
             saved = self.mngr.save(step, state, loss=loss)
+            # A two-level policy's level-1 save goes to the memory tier only (not to Orbax's
+            # manager of the disk); every save of a one-level policy is persisted.
+            level = 2 if step in self.mngr.orbax.all_steps() else 1
+            local = level == 2 or not self.memory
         t1 = time.monotonic()
         if not saved:
             return None
-        record = {"event": "save", "step": step, "t0": t0, "t1": t1}
+        if self.memory:
+            self.pending["memory"].add(step)
+        if level == 2 and self.has_durable:
+            self.pending["durable"].add(step)
+        # "local": whether it went to the local disk (its commit is logged as before the mix).
+        record = {"event": "save", "step": step, "t0": t0, "t1": t1, "level": level, "local": local}
         if isinstance(self.mngr, cj.CheckpointManager):
             m = self.mngr.measurements
             record.update(
@@ -251,16 +290,53 @@ class Checkpoints:
                 mtbf_s=m.mtbf_s,
                 recovery_s=m.recovery_s,
                 failures=m.failures,
+                machine_failures=m.machine_failures,
             )
         return record
 
     def writing(self) -> bool:
-        """Whether a save is still writing in the background (not yet committed)."""
+        """Whether a save to the local disk is still writing in the background."""
         return self.mngr is not None and self.mngr.is_saving_in_progress()
 
+    def committed(self) -> list[tuple[str, int]]:
+        """The saves that reached the memory tier or the durable tier since the last call."""
+        done = []
+        if self.pending["memory"]:
+            listed = set(self.mngr.memory_steps())
+            done += [("memory", s) for s in sorted(self.pending["memory"] & listed)]
+        if self.pending["durable"]:
+            if self.durable is not None:  # orbax-fixed: its durable manager's one save
+                listed = set() if self.durable.is_saving_in_progress() else self.pending["durable"]
+            else:
+                listed = set(self.mngr.durable_steps())
+            done += [("durable", s) for s in sorted(self.pending["durable"] & listed)]
+            # A drain skips a step once a newer one has committed: it never will.
+            newest = max(listed, default=0)
+            self.pending["durable"] = {s for s in self.pending["durable"] if s > newest}
+        self.pending["memory"] -= {s for tier, s in done if tier == "memory"}
+        return done
+
     def close(self) -> None:
-        if self.mngr is not None:
-            self.mngr.close()
+        for mngr in (self.mngr, self.durable):
+            if mngr is not None:
+                mngr.close()
+
+
+def policy(args: argparse.Namespace) -> cj.policies.Policy:
+    """The cocijax configuration's policy, told the MTBFs (and coci the job's length)."""
+    kw = {} if args.cost_prior is None else {"cost_prior_s": args.cost_prior}
+    if args.config in ("coci-2level", "young-2level"):
+        if args.cost_prior is not None:
+            kw["persist_cost_prior_s"] = args.cost_prior
+        if args.config == "young-2level":
+            return cj.policies.young_two_level(args.mtbf, args.machine_mtbf, **kw)
+        return cj.policies.coci_two_level(
+            args.mtbf, total_steps=args.steps, machine_mtbf_s=args.machine_mtbf, **kw
+        )
+    name = "coci" if args.config == "coci-1level" else args.config
+    if name == "coci":
+        kw["total_steps"] = args.steps
+    return cj.policies.by_name(name, mtbf_s=args.mtbf, **kw)
 
 
 class Log:
@@ -285,6 +361,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtbf", type=float, help="MTBF in seconds told to cocijax policies")
     p.add_argument("--cost-prior", type=float, help="cost_prior_s of cocijax policies")
     p.add_argument("--every", type=int, help="orbax-fixed: save_interval_steps")
+    p.add_argument("--memory", type=Path, help="cocijax configs: the memory tier's folder")
+    p.add_argument("--durable", type=Path, help="the durable tier (a path standing for one)")
+    p.add_argument("--machine-mtbf", type=float, help="two-level configs: machine MTBF (s)")
+    p.add_argument("--every-durable", type=int,
+                   help="orbax-fixed with --durable: its durable manager's interval")  # fmt: skip
     p.add_argument("--max-to-keep", type=int, default=2)
     p.add_argument("--buckets", type=int, default=2**19, help="embedding table rows")
     p.add_argument("--dim", type=int, default=64, help="embedding width")
@@ -296,7 +377,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.config != "no-failures" and args.dir is None:
         p.error(f"--dir is needed for --config {args.config}")
-    if args.config in ("coci", "young", "daly") and not (
+    if args.config in ("coci-2level", "young-2level") and not (
+        args.memory and args.machine_mtbf and args.machine_mtbf > 0
+    ):
+        p.error(f"--memory and a positive --machine-mtbf are needed for {args.config}")
+    if args.config == "orbax-fixed" and args.durable and not args.every_durable:
+        p.error("--every-durable is needed for orbax-fixed with --durable")
+    if args.config not in ("orbax-fixed", "no-failures") and not (
         args.mtbf is not None and math.isfinite(args.mtbf) and args.mtbf > 0
     ):
         p.error(f"--mtbf must be a positive number of seconds for {args.config}, got {args.mtbf}")
@@ -313,13 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Checkpoints(args)
     phases["open"] = time.monotonic()
     start = ckpt.latest()
-    state = ckpt.restore(start, job.abstract()) if start else job.init()
+    state, tier = ckpt.restore(start, job.abstract()) if start else (job.init(), None)
     phases["restore" if start else "init"] = time.monotonic()
     train_step = job.compile()
     phases["compile"] = time.monotonic()
     mib = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20
     log.write({"event": "ready", "t": phases["compile"], "restored": start or None,
-               "state_mib": round(mib, 1), **phases})  # fmt: skip
+               "tier": tier, "state_mib": round(mib, 1), **phases})  # fmt: skip
     writing = None  # the step whose save is still writing
     for step in range(start + 1, args.steps + 1):
         state, loss = train_step(state, jnp.asarray(job.positions(step)))
@@ -328,12 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         if writing is not None and not ckpt.writing():
             log.write({"event": "commit", "step": writing, "t": time.monotonic()})
             writing = None
+        for tier, saved in ckpt.committed():
+            log.write({"event": "commit", "tier": tier, "step": saved, "t": time.monotonic()})
         record = ckpt.save(step, state, loss)
         if record is not None:
-            if writing is not None:  # a save first waits for the previous one to commit
-                log.write({"event": "commit", "step": writing, "t": record["t1"]})
+            if record.pop("local"):
+                if writing is not None:  # a save to the disk first waits for the previous one
+                    log.write({"event": "commit", "step": writing, "t": record["t1"]})
+                writing = step
             log.write(record)
-            writing = step
     log.write({"event": "done", "t": time.monotonic(), "digest": digest(state)})
     ckpt.close()
     return 0

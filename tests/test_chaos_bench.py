@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -257,3 +258,166 @@ def test_a_killed_job_resumes_from_its_checkpoint_and_ends_like_an_uninterrupted
     baseline = _records(tmp_path / "no-failures-seed0.jsonl")
     (base_done,) = (r for r in baseline if r.get("event") == "done")
     assert done["digest"] == base_done["digest"]
+
+
+# -- the failure mix (--mix) -------------------------------------------------------------------
+
+
+def _commit(tier: str | None, step: int, t: float) -> dict:
+    return {"event": "commit", "step": step, "t": t, **({"tier": tier} if tier else {})}
+
+
+def _level_save(step: int, t0: float, t1: float, level: int) -> dict:
+    return {**_save(step, t0, t1), "level": level}
+
+
+# A two-level run of 10 steps of 1 s. The first process saves step 2 at level 2 (stall 0.5 s,
+# in memory, on disk and on the durable tier 1 s later) and step 4 at level 1 (0.2 s, in memory
+# only); a process kill at 7.2 s leaves the memory tier: the second process resumes from step 4
+# (from memory), saves step 6 at level 1 and is killed at 13.4 s by a machine failure, which
+# loses steps 4 and 6 with the memory tier: the third process resumes from step 2 (durable).
+# Each restart's first step takes 1.5 s, 0.5 s of it warm-up.
+MIX_RUN = [
+    {"event": "spawn", "t": 0.0},
+    _ready(1.0, None, imports=0.5, open=0.6, init=0.8, compile=1.0),
+    *_steps({1: 2.0, 2: 3.0}),
+    _level_save(2, 3.0, 3.5, 2),
+    *_steps({3: 4.5}),
+    _commit(None, 2, 4.5),
+    _commit("memory", 2, 4.5),
+    _commit("durable", 2, 4.5),
+    *_steps({4: 5.5}),
+    _level_save(4, 5.5, 5.7, 1),
+    *_steps({5: 6.7}),
+    _commit("memory", 4, 6.7),
+    {"event": "kill", "t": 7.2, "machine": False},
+    {"event": "spawn", "t": 7.2},
+    {**_ready(9.2, 4, imports=7.7, open=8.2, restore=8.7, compile=9.2), "tier": "memory"},
+    *_steps({5: 10.7, 6: 11.7}),
+    _level_save(6, 11.7, 11.9, 1),
+    *_steps({7: 12.9}),
+    _commit("memory", 6, 12.9),
+    {"event": "kill", "t": 13.4, "machine": True},
+    {"event": "spawn", "t": 13.4},
+    {**_ready(16.4, 2, imports=14.4, open=15.4, restore=15.9, compile=16.4), "tier": "durable"},
+    *_steps({3: 17.9, **{s: 14.9 + s for s in range(4, 11)}}),
+    _level_save(10, 24.9, 25.4, 2),
+    {"event": "done", "t": 25.4, "digest": "d"},
+]
+BASELINE_10 = [
+    {"event": "spawn", "t": 0.0},
+    _ready(1.0, None, imports=0.5, open=0.6, init=0.8, compile=1.0),
+    *_steps({s: 1.0 + s for s in range(1, 11)}),
+    {"event": "done", "t": 11.0, "digest": "d"},
+]
+
+
+def test_the_mix_measures_a_machine_failure_back_past_the_saves_it_lost(bench, tmp_path):
+    atts = bench.read_log(_write(tmp_path / "run.jsonl", MIX_RUN))
+    assert [a.machine for a in atts] == [False, True, False]
+    assert [a.tier for a in atts] == [None, "memory", "durable"]
+    assert atts[0].levels == {2: 2, 4: 1} and atts[0].tier_commits["memory"] == {2: 4.5, 4: 6.7}
+    m = bench.measure(atts, 10, np.ones(10))
+    approx = pytest.approx
+    assert m.wall_s == approx(23.9) and m.failure_times == approx([6.2, 12.4])
+    assert m.failure_machine == [False, True] and m.restart_machine == [False, True]
+    assert m.stall_s == approx(0.9)  # the final save ends after the last step: not counted
+    # Recovery: 7.2 to 9.7 and 13.4 to 16.9 (each with its first step's warm-up).
+    assert m.recovery_s == approx(6.0)
+    # Recomputed: 1.5 s after step 4 at the process kill; 3.5 s of the second process
+    # (steps 5 to 7 and 0.5 s); steps 3 and 4 of the first process, which the machine failure
+    # lost with the memory tier (2 s).
+    assert m.recompute_s == approx(1.5 + 3.5 + 2.0)
+    assert m.stall_s + m.recompute_s + m.recovery_s == approx(m.wall_s - 10.0)
+
+
+def test_the_mix_report_replays_each_run_at_two_levels_and_pairs_the_configs(bench, tmp_path):
+    for name in ("coci-2level", "coci-1level"):
+        _write(tmp_path / f"{name}-seed0.jsonl", MIX_RUN)
+    _write(tmp_path / "no-failures-seed0.jsonl", BASELINE_10)
+    setup = dict(argv=["--mix", "--workdir", str(tmp_path)], steps=10, mtbf=5.0, seeds=1,
+                 configs=["coci-2level", "coci-1level", "no-failures"], every=None,
+                 every_durable=None, mix=True, machine_share=0.2, cost_prior=None,
+                 compile_cache=False, calibration=None, loads=[[1.0, 1.0]], disk="tmpfs",
+                 elapsed_s=60.0)  # fmt: skip
+    (tmp_path / "setup.json").write_text(json.dumps(setup))
+    out = tmp_path / "mix.json"
+    assert bench.main(["--analyse", str(tmp_path), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    runs = {run["config"]: run for run in data["runs"]}
+    run = runs["coci-2level"]
+    assert run["failures"] == {"process": 1, "machine": 1}
+    assert run["saves"] == {"level1": 2, "level2": 2}
+    assert run["overhead_s"] == pytest.approx(13.9)
+    assert [len(run["recovery_phases"][k]) for k in ("process", "machine")] == [1, 1]
+    assert run["recovery_phases"]["machine"][0]["restore or init"] == pytest.approx(0.5)
+    assert run["restored_tiers"] == ["memory", "durable"]
+    # The replay: steps 2 (level 2, 0.5 s), 4 and 6 (level 1, 0.2 s), commits 1 s after each
+    # stall, recoveries of 2.5 s (process) and 3.5 s (machine). The process failure (6.2 s)
+    # loses 1.5 s back to step 4; the machine failure (12.4 s, at step 7.5) 5.5 s back to
+    # step 2, which the job then passes again, saving steps 4 and 6 again (0.4 s more stall).
+    assert run["sim_overhead_s"] == pytest.approx(1.5 + 5.5 + 6.0 + 0.5 + 4 * 0.2)
+    # One seed: the paired difference is 0, without an interval.
+    assert data["paired_to"] == "coci-2level"
+    assert data["paired"]["coci-1level"]["overhead_s"] == [0.0, None, None]
+    text = bench.analyse(setup, tmp_path).markdown()
+    assert str(tmp_path) not in text and "| coci-2level | 0 | 23.9 | 1 / 1 | 2 / 2 |" in text
+
+
+def test_the_paired_interval_is_students_t_over_seeds(bench):
+    from _chaos_mix import paired
+
+    # Differences 2, 3, 4: mean 3, sd 1, t(0.975, 2 df) = 4.303.
+    mean, low, high = paired([3.0, 5.0, 7.0], [1.0, 2.0, 3.0])
+    half = 4.3027 / math.sqrt(3)
+    assert (mean, low, high) == pytest.approx((3.0, 3.0 - half, 3.0 + half), abs=1e-3)
+
+
+def test_mixed_failures_keep_the_seeds_times_and_draw_classes_once_per_seed(bench):
+    from _chaos_supervisor import mixed_failures
+
+    draw = lambda seed: list(itertools.islice(mixed_failures(seed, 10.0, 0.2), 2000))
+    mix = draw(3)
+    assert mix == draw(3) and [t for t, _ in mix] == list(
+        itertools.islice(bench.poisson_failures(3, 10.0), 2000)
+    )
+    assert np.mean([m for _, m in mix]) == pytest.approx(0.2, abs=0.03)  # 2000 draws
+
+
+def test_the_supervisor_loses_the_machine_only_at_a_machine_failure(bench, tmp_path):
+    log = tmp_path / "job.jsonl"
+    cmd = [sys.executable, "-c", FAKE_JOB, str(log), "200"]  # 200 steps of at least 10 ms
+    lost = []
+    bench.supervise(cmd, log, iter([(0.2, False), (0.4, True)]), 200, 120, None,
+                    lambda: lost.append(len(bench.read_log(log))))  # fmt: skip
+    first, second, third = bench.read_log(log)
+    assert (first.machine, second.machine, third.kill) == (False, True, None)
+    assert lost == [2]  # once, after the second process was killed, before the third started
+
+
+@pytest.mark.parametrize("config", ["coci-2level", "young-2level", "coci-1level", "orbax-fixed"])
+def test_each_mix_config_starts_the_job_with_its_tiers(bench, tmp_path, monkeypatch, config):
+    import chaos_job
+
+    args = bench.parse_args(["--mix", "--tiny", "--workdir", str(tmp_path)])
+    assert args.configs == list(bench.MIX_CONFIGS) and (args.seeds, args.steps) == (6, 5000)
+    b = bench.Bench(args, tmp_path)
+    b.every, b.every_durable, b.cost_prior = 50, 200, 0.01
+    seen = {}
+
+    def supervise(cmd, log, failures, n_steps, timeout_s, env, lose_machine):
+        seen["args"] = chaos_job.parse_args(cmd[2:])  # the job accepts its command line
+        seen["lose"] = lose_machine
+
+    monkeypatch.setattr(bench, "supervise", supervise)
+    b.run(config, "run", iter(()), mix=True)
+    job = seen["args"]
+    assert job.durable is not None and job.config == config
+    if config in ("coci-2level", "young-2level"):
+        assert job.memory is not None
+        assert (job.mtbf, job.machine_mtbf) == pytest.approx((20.0 / 0.8, 20.0 / 0.2))
+    else:
+        assert job.memory is None
+    job.dir.mkdir(parents=True)
+    seen["lose"]()
+    assert not job.dir.exists()
