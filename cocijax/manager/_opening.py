@@ -44,7 +44,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_listed, check_host_local
+from cocijax.manager._hosts import agree_listed, check_host_local, drop_unagreed
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -367,6 +367,7 @@ def _agree(mngr: CheckpointManager, timeout_s: float) -> None:
     if mngr._durable is not None:
         mngr._durable.open(None)
     agreed = agree_listed(mngr, timeout_s, refresh=False)
+    drop_unagreed(mngr, agreed)
     durable = mngr._durable.steps() if mngr._durable is not None else []
     newest = max(agreed & set(mngr._local_steps()), default=None)
     if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
