@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import orbax.checkpoint as ocp
 
+from cocijax.manager._gc import quarantine
+from cocijax.manager._tier_layout import scan
+from cocijax.manager._tier_lease import LeaseError
+
 if TYPE_CHECKING:
     from cocijax.manager._checkpoint_manager import CheckpointManager
 
@@ -35,6 +39,7 @@ __all__ = [
     "agree_listed",
     "agree_steps",
     "check_host_local",
+    "drop_unagreed",
     "exchange",
 ]
 
@@ -194,7 +199,54 @@ def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
     if mngr._durable is not None:
         mngr._durable.open(None)
     agreed = agree_listed(mngr, timeout_s, refresh=False)
+    drop_unagreed(mngr, agreed)
     durable = mngr._durable.steps() if mngr._durable is not None else []
     newest = max(agreed & set(mngr._local_steps()), default=None)
     if mngr._durable is not None and newest is not None and newest > max(durable, default=-1):
         mngr._durable.offer(newest, force=True)
+
+
+def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
+    """Removes what is left of the saves some process never finished: the steps newer than
+    the newest step every process can serve (a process killed mid-save, a replaced host).
+
+    The job resumes before them and saves those step numbers again, which must meet no stale
+    part: this process's committed copies of them go (set aside instead, for inspection, when
+    the processes agree on no step at all: then a process's folders may simply be missing),
+    and process 0 removes their uncommitted prefixes from the durable tier. Called at opening,
+    once every process answered: no process drains such a step before the job's next save,
+    whose decision waits for process 0.
+    """
+    if mngr._read_only:
+        return
+    newest = max(agreed, default=None)
+    after = -1 if newest is None else newest
+    stale = [s for s in mngr._local_steps() if s in mngr._hidden and s > after]
+    for step in stale:
+        if newest is None:
+            quarantine(mngr._step_dir(step), "no other process of the job holds this step")
+        else:
+            log.warning(
+                "%s: deleting step %d, which not every process of the job committed (one was "
+                "killed or replaced mid-save); the job resumes from step %d and saves it again",
+                mngr._directory,
+                step,
+                newest,
+            )
+            mngr.orbax.delete(step)
+        mngr._committed.discard(step)
+        mngr._hidden.discard(step)
+    if stale:
+        mngr.orbax.reload()
+    durable = mngr._durable
+    if durable is None or not durable.options.committer:
+        return
+    try:
+        unfinished = [s for s in scan(durable.root)[1] if s > after]
+        if unfinished:
+            durable._lease.acquire(0)
+        for step in unfinished:
+            log.info("%s: removing the uncommitted parts of step %d", durable.url, step)
+            (durable.root / str(step)).delete_all()
+    except (ValueError, OSError, LeaseError) as e:  # the tier's next collection tries again
+        log.warning("%s: cannot remove uncommitted steps yet (%s)", durable.url, e)

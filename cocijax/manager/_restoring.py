@@ -18,6 +18,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from cocijax import storage
@@ -134,9 +135,10 @@ def _copies(
     tiers = {"memory": memory, "local": local, "orbax": orbax, "durable": durable}
     # Host-local: a step some process cannot serve is not restored by any (see _hosts).
     tiers = {name: [s for s in steps if s not in mngr._hidden] for name, steps in tiers.items()}
-    # A memory copy may be torn, a host-local copy may lack a region another topology needs:
-    # then the step's next copy is tried.
-    several = bool(memory) or mngr._host_local
+    # A memory copy may be torn, a host-local copy may lack a region another topology needs
+    # (read by a job of another process count too, host-local or not): then the step's next
+    # copy is tried.
+    several = bool(memory) or mngr._host_local or durable_tier is not None
     copies = restore_order(step, tiers, fallback=fallback or several, where=where)
     if fallback or not several:
         return copies
@@ -160,6 +162,7 @@ def _restore_first(
             restored = restore_items(mngr, step, where, args)
         except storage.RegionNotHeldError as e:
             if (step, where) == copies[-1]:
+                e.add_note(_not_held_hint(mngr, step, copies, fallback))
                 raise
             # Not damage (nothing is set aside): this process's copy holds its own shards only.
             log.info("restore: step %d: the %s copy does not serve: %s", step, where, e)
@@ -197,6 +200,22 @@ def _restore_first(
 def _copy_name(mngr: CheckpointManager, step: int, where: str) -> str:
     several = mngr._durable is not None or mngr._memory is not None
     return f"step {step}" + (f" ({where} copy)" if several else "")
+
+
+def _not_held_hint(
+    mngr: CheckpointManager, step: int, copies: list[tuple[int, str]], fallback: bool
+) -> str:
+    tried = ", ".join(where for s, where in copies if s == step)
+    said = (
+        f"restore: no copy of step {step} holds that region for process "
+        f"{jax.process_index()} (tried: {tried})."
+    )
+    if fallback:
+        return f"{said} No older step is complete in any tier either."
+    return (
+        f"{said} restore(fallback=True) restores the newest older step some tier holds "
+        "whole (e.g. the durable tier's)."
+    )
 
 
 def _damage_hint(mngr: CheckpointManager, fallback: bool) -> str:

@@ -174,8 +174,8 @@ def plan_leaf(
             raise RegionNotHeldError(
                 f"Leaf {record.path} in {directory}: region {list(start)}..{list(stop)} is not "
                 f"in this copy, which holds the shards of process {holder} only (a host-local "
-                "copy restores on the devices it was saved from); restore this step from the "
-                "durable tier, or from every process's copy."
+                "copy restores on the devices it was saved from); restore this step from a copy "
+                "holding every region (the durable tier's), or an older step."
             )
     return plan
 

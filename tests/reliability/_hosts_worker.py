@@ -12,11 +12,14 @@ durable tier ``cfg["durable"]`` (``CheckpointManager(host_local=True)``); device
   regions its devices hold) and process 0 the gathered final state of every saved step to
   ``<out>/reference_<step>.npz``.
 * ``"restore"``: opens the manager again (the test may have emptied a process's folder: a
-  replaced host), restores the newest step (sharded over this run's devices, in reverse order
-  with ``cfg["reverse"]``) and compares every
+  replaced host), restores the newest step or ``cfg["step"]`` (sharded over this run's devices,
+  in reverse order with ``cfg["reverse"]``; with ``cfg["fallback"]`` an older step if need be;
+  with ``cfg["may_fail"]`` its error is recorded instead) and compares every
   addressable shard with the reference; writes ``<out>/restore_<i>.json`` (the step, the tier it
   came from, the mismatches).
 * ``"fault"``: one process's local commit of a step fails (see :func:`fault`).
+* ``"kill"``, ``"resume"``: a process killed mid-save, then the job again (see :func:`kill`).
+* ``"skew"``: clocks of different offsets and rates (see :func:`skew`).
 * ``"absent"``: only process 0 opens a manager (see :func:`absent`).
 """
 
@@ -42,7 +45,7 @@ def _manager(cfg: dict[str, Any], **kwargs: Any):
         durable_options=cfg.get("durable_options"),
         durable_every=cfg.get("durable_every", 1),
         host_local=True,
-        policy=cj.policies.fixed(2),
+        policy=kwargs.pop("policy", None) or cj.policies.fixed(2),
         max_to_keep=2,
         store_timeout_s=cfg.get("timeout_s", 30.0),
         **kwargs,
@@ -115,7 +118,16 @@ def restore(cfg: dict[str, Any]) -> None:
     target = jax.tree.map(abstract, like)
     with _manager(cfg) as mngr:
         steps = mngr.all_steps()
-        restored = mngr.restore(target=target)
+        try:
+            restored = mngr.restore(
+                cfg.get("step"), target=target, fallback=cfg.get("fallback", False)
+            )
+        except Exception as e:
+            if not cfg.get("may_fail"):
+                raise
+            error = {"error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", [])}
+            (Path(cfg["out"]) / f"restore_{me}.json").write_text(json.dumps(error))
+            return
         step, tier = mngr.restored_step, mngr.restored_tier
     ref = dict(np.load(Path(cfg["out"]) / f"reference_{step}.npz"))
     mismatches = []
@@ -171,6 +183,118 @@ def fault(cfg: dict[str, Any]) -> None:
     (Path(cfg["out"]) / f"fault_{me}.json").write_text(json.dumps(record))
 
 
+def kill(cfg: dict[str, Any]) -> None:
+    """Steps 2 and 4 are saved and drained everywhere; process ``cfg["killed"]`` is killed
+    (SIGKILL) in its local commit of step 6, its shards written, its manifest not; the others
+    commit step 6 locally and drain their shards of it, wait for the durable tier (which
+    fails: the killed process never arrives), then exit without JAX's shutdown barrier."""
+    import signal
+
+    from cocijax.storage import _commit
+
+    me = cfg["process_id"]
+    if me == cfg["killed"]:
+        commit = _commit.Writer.commit
+
+        async def killed(self, directory, snapshot):
+            if "/6." in str(directory) or str(directory).endswith("/6"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await commit(self, directory, snapshot)
+
+        _commit.Writer.commit = killed
+    state, step_fn = _state(_mesh())
+    params, opt_state = state["params"], state["opt_state"]
+    mngr = _manager(cfg)
+    for step in range(1, 7):
+        params, opt_state = step_fn(params, opt_state)
+        try:
+            mngr.save(step, {"params": params, "opt_state": opt_state}, loss=1.0)
+            if step in (4, 6):
+                mngr.wait_until_finished(durable=True)
+        except Exception as e:
+            if step != 6:
+                raise
+            log = Path(cfg["out"]) / f"kill_{me}.json"
+            log.write_text(json.dumps({"error_6": f"{type(e).__name__}: {e}"}))
+    try:
+        mngr.close(timeout_s=5.0)
+    finally:
+        os._exit(0)  # JAX's shutdown barrier would wait for the dead process
+
+
+def resume(cfg: dict[str, Any]) -> None:
+    """The job after a kill (see :func:`kill`): restores the newest step, moves its weight
+    (so that the steps saved again differ from the killed run's), saves steps 6 and 8 and
+    drains them, then reads step 6 back from this process's folder and from the durable tier.
+    Writes ``<out>/resume_<i>.json`` and process 0 ``<out>/resumed_<step>.npz``."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    me = cfg["process_id"]
+    like, step_fn = _state(_mesh())
+    record: dict[str, Any] = {}
+    with _manager(cfg) as mngr:
+        record["steps_opened"] = mngr.all_steps()
+        state = mngr.restore(target=like)
+        record["restored"] = mngr.restored_step
+        params = dict(state["params"], w=state["params"]["w"] + 1.0)
+        opt_state = state["opt_state"]
+        for step in range(mngr.restored_step + 1, 9):
+            params, opt_state = step_fn(params, opt_state)
+            current = {"params": params, "opt_state": opt_state}
+            if mngr.save(step, current, loss=1.0, force=step == 8):
+                gathered = multihost_utils.process_allgather(current, tiled=True)
+                if me == 0:
+                    flat = {k: np.asarray(v) for k, v in _flat(gathered).items()}
+                    np.savez(Path(cfg["out"]) / f"resumed_{step}.npz", **flat)
+        mngr.wait_until_finished(durable=True)
+        record["steps"] = mngr.all_steps()
+        record["local"] = mngr._local_steps()
+        record["durable"] = mngr._durable.refresh()
+        jax.effects_barrier()
+        multihost_utils.sync_global_devices("resumed references written")
+        ref = dict(np.load(Path(cfg["out"]) / "resumed_6.npz"))
+        for tier in ("local", "durable"):
+            restored = mngr.restore(6, target=like, tier=tier)
+            record[f"mismatches_{tier}"] = [
+                f"{key} shard {shard.index}"
+                for key, leaf in _flat(restored).items()
+                for shard in leaf.addressable_shards
+                if not np.array_equal(np.asarray(shard.data), ref[key][shard.index])
+            ]
+    (Path(cfg["out"]) / f"resume_{me}.json").write_text(json.dumps(record))
+
+
+def skew(cfg: dict[str, Any]) -> None:
+    """Trains 24 steps under Young's rule (its interval in steps depends on the step time and
+    the save cost this process measures) with a clock of this process's own offset and rate
+    (``cfg["skew"][process]``; each reading a quarter of a unit later than the one before, so
+    that runs repeat). Writes ``<out>/skew_<i>.json``: the steps saved and kept."""
+    import cocijax as cj
+
+    me = cfg["process_id"]
+    offset, rate = cfg["skew"][me]
+    readings = iter(range(1, 1 << 30))
+
+    def clock() -> float:
+        return offset + rate * 0.25 * next(readings)
+
+    state, step_fn = _state(_mesh())
+    params, opt_state = state["params"], state["opt_state"]
+    saved = []
+    policy = cj.policies.young(mtbf_s=cfg["mtbf_s"], cost_prior_s=0.5)
+    with _manager(cfg, policy=policy, clock=clock) as mngr:
+        for step in range(1, 25):
+            params, opt_state = step_fn(params, opt_state)
+            if mngr.save(step, {"params": params, "opt_state": opt_state}, loss=1.0 / step):
+                saved.append(step)
+        mngr.wait_until_finished(durable=True)
+        record = {"saved": saved, "steps": mngr.all_steps(), "local": mngr._local_steps()}
+        record["durable"] = mngr._durable.refresh()
+    (Path(cfg["out"]) / f"skew_{me}.json").write_text(json.dumps(record))
+
+
 def absent(cfg: dict[str, Any]) -> None:
     """Process 0 opens a manager; the others never do (a user's bug, or a hung process): its
     opening must fail within ``cfg["timeout_s"]``. Writes ``<out>/absent_0.json``."""
@@ -198,6 +322,7 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _init_distributed(cfg)
     modes = {"save": save, "restore": restore, "fault": fault, "absent": absent}
+    modes.update(kill=kill, resume=resume, skew=skew)
     modes[cfg["mode"]](cfg)
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +30,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-mul
 DEVICES = 8  # in all, over the processes
 
 
-def _launch(cfg: dict[str, Any], timeout: float = 300.0) -> None:
-    """Runs ``len(cfg["dirs"])`` workers together; fails with their stderr if any fails."""
+def _launch(
+    cfg: dict[str, Any], timeout: float = 300.0, devices: int = DEVICES, killed: int = -1
+) -> None:
+    """Runs ``len(cfg["dirs"])`` workers together (``devices`` in all); fails with their
+    stderr if any fails (but process ``killed``, which must die of SIGKILL)."""
     port = free_port()
     n = len(cfg["dirs"])
     procs = [
@@ -40,7 +44,7 @@ def _launch(cfg: dict[str, Any], timeout: float = 300.0) -> None:
                 str(HERE / "_hosts_worker.py"),
                 json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
             ],
-            env=child_env(DEVICES // n),
+            env=child_env(devices // n),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -51,7 +55,7 @@ def _launch(cfg: dict[str, Any], timeout: float = 300.0) -> None:
     try:
         for i, p in enumerate(procs):
             _, err = p.communicate(timeout=timeout)
-            if p.returncode != 0:
+            if p.returncode != (-signal.SIGKILL if i == killed else 0):
                 errors.append(f"process {i} exited {p.returncode}:\n{err[-4000:]}")
     finally:
         for p in procs:
@@ -172,3 +176,74 @@ def test_a_process_that_never_opens_makes_the_others_fail_within_the_bound(
     assert record["error"].startswith("HostsError: "), record
     assert "process(es) 1 " in record["error"] and "within 3 s" in record["error"], record
     assert record["elapsed_s"] < 60, record  # a hang guard: the bound is 3 s
+
+
+def _restored(cfg: dict[str, Any], processes: int) -> list[dict[str, Any]]:
+    return _records({**cfg, "dirs": cfg["dirs"][:processes]}, "restore")
+
+
+@pytest.mark.long
+def test_a_job_of_4_processes_restores_on_2_and_on_1(tmp_path: Path) -> None:
+    # 4 processes of 2 devices save steps 2, 4, 6 (6 forced), every second one drained: the
+    # durable tier holds step 4 whole, each process's folder its own quarter of steps 4 and 6.
+    cfg = _config(tmp_path, 4, steps=6, durable_every=2)
+    _launch({**cfg, "mode": "save"})
+    assert _records(cfg, "save")[0]["durable"] == [4]
+
+    for processes in (2, 1):  # 4 devices in all, then 1
+        run = {**cfg, "dirs": cfg["dirs"][:processes], "mode": "restore"}
+        # Step 6 is committed in every reading process's folder, but each holds only its
+        # quarter of the rows: a region no tier holds for the new devices.
+        _launch({**run, "may_fail": True}, devices=4 // processes * processes)
+        for i, r in enumerate(_restored(cfg, processes)):
+            assert r["error"].startswith("RegionNotHeldError: "), r
+            assert f"holds the shards of process {i} only" in r["error"], r
+            assert "Leaf ['opt_state']" in r["error"] or "Leaf ['params']" in r["error"], r
+            assert "region [" in r["error"], r
+            assert any("fallback=True" in note for note in r["notes"]), r
+        # With fallback, the newest step complete in some tier: step 4 from the durable tier.
+        _launch({**run, "fallback": True}, devices=4 // processes * processes)
+        for r in _restored(cfg, processes):
+            assert (r["step"], r["tier"]) == (4, "durable"), r
+            assert r["mismatches"] == [] and r["shards"] > 0, r
+    # One process asked for step 4, which its folder holds a quarter of: the durable copy.
+    _launch({**cfg, "dirs": cfg["dirs"][:1], "mode": "restore", "step": 4}, devices=4)
+    [r] = _restored(cfg, 1)
+    assert (r["step"], r["tier"], r["mismatches"]) == (4, "durable", []), r
+
+
+def test_a_process_killed_mid_save_leaves_no_piece_of_its_step(tmp_path: Path) -> None:
+    # Process 1 is killed in its local commit of step 6; process 0 committed step 6 in its own
+    # folder and drained its shards of it. After the restart no process lists step 6; the job
+    # resumes from step 4 with other weights, saves step 6 again and step 8: each process's
+    # step 6 is the new one (not the killed run's, which a step already present would keep)
+    # in its folder and on the durable tier, bit-exact.
+    cfg = _config(tmp_path, killed=1, timeout_s=5.0)
+    _launch({**cfg, "mode": "kill"}, killed=1)
+    error = json.loads((Path(cfg["out"]) / "kill_0.json").read_text())["error_6"]
+    assert error.startswith(("DurableTierError", "HostsError")), error
+    assert (Path(cfg["dirs"][0]) / "6").exists()  # process 0's own commit of step 6
+
+    _launch({**cfg, "mode": "resume"})
+    resumed = _records(cfg, "resume")
+    for r in resumed:
+        assert r["steps_opened"] == [2, 4] and r["restored"] == 4, r
+        assert r["steps"] == [2, 4, 6, 8] and r["local"] == [6, 8], r
+        assert r["mismatches_local"] == [] and r["mismatches_durable"] == [], r
+    assert resumed[0]["durable"] == [2, 4, 6, 8]
+    assert storage.verify(item_dir(cfg["durable"], 6)) == []
+
+
+def test_skewed_clocks_change_neither_the_saves_nor_the_kept_steps(tmp_path: Path) -> None:
+    # Each process's clock has its own offset and runs at its own rate: the step times and
+    # save costs each measures differ 16-fold, and so would the intervals Young's rule takes
+    # from them. The decision is process 0's, broadcast: the same steps saved and kept.
+    skew = [(0.0, 1.0), (-3.6e4, 16.0)]
+    cfg = _config(tmp_path, skew=skew, mtbf_s=4.0)
+    _launch({**cfg, "mode": "skew"})
+    runs = _records(cfg, "skew")
+    assert runs[0]["saved"] == runs[1]["saved"], runs
+    assert 1 < len(runs[0]["saved"]) < 24, runs  # a decision that depends on the clock
+    assert runs[0]["local"] == runs[1]["local"] == runs[0]["saved"][-2:], runs
+    assert runs[0]["steps"] == runs[1]["steps"], runs
+    assert runs[0]["durable"] == runs[0]["saved"], runs

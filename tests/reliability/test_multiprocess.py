@@ -126,6 +126,30 @@ def test_two_processes_save_shards_and_restore_anywhere(tmp_path: Path) -> None:
             assert rec["shards"] >= rec["leaves"]
 
 
+@pytest.mark.long
+def test_a_shared_directory_of_4_processes_restores_on_2_and_on_1(tmp_path: Path) -> None:
+    # One shared directory and shared roots (the default mode): 4 processes of 2 devices save;
+    # 2 processes of 2 devices (4 in all) and 1 process of 4 then 1 device restore bit-exact.
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {
+        "directory": str(tmp_path / "ckpt"),
+        "roots": [str(tmp_path / "r0")],
+        "out": str(out),
+        "steps": 4,
+        "policy": "fixed",
+        "policy_kwargs": {"every": 2},
+    }
+    _launch({**cfg, "mode": "save"}, n=4, devices=2)
+    assert json.loads((out / "process_0.json").read_text())["latest"] == 4
+    for n, devices in ((2, 2), (1, 4), (1, 1)):
+        _launch({**cfg, "mode": "restore", "step": 4}, n=n, devices=devices)
+        for i in range(n):
+            rec = json.loads((out / f"restore_{n}_{i}.json").read_text())
+            assert rec["mismatches"] == [], (n, devices, rec)
+            assert rec["devices"] == n * devices and rec["shards"] >= rec["leaves"], rec
+
+
 @pytest.mark.parametrize("service", [True, False], ids=["jax-preemption-service", "flag-exchange"])
 def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path: Path, service) -> None:
     out = tmp_path / "out"
