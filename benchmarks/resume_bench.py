@@ -147,7 +147,9 @@ def _resume(case: dict) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    import cocijax  # noqa: F401 -- imported before main, as a job imports it
+    # Before main, as a job imports them: Orbax's manager comes with `orbax.checkpoint`,
+    # cocijax's with its first use (`cocijax` imports its submodules lazily), made here.
+    from cocijax import CheckpointManager  # noqa: F401
 
     started = time.time()  # the imports are done: what the process took to reach main
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
