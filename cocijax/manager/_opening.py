@@ -187,8 +187,16 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
-    memory_options = check_memory(memory, memory_bytes, path, processes=jax.process_count())
-    orbax_options, several = check_host_local(host_local, orbax_options, memory_options)
+    # Host-local, each process has a memory tier of its own (the shared directory has one).
+    memory_options = check_memory(
+        memory,
+        memory_bytes,
+        path,
+        processes=1 if host_local else jax.process_count(),
+        hint="Pass host_local=True (each process its own folders and memory tier), or open "
+        "without memory=.",
+    )
+    orbax_options, several = check_host_local(host_local, orbax_options)
     if several:
         handler_options["host_local"] = True
     primary = several or jax.process_index() == (
@@ -399,6 +407,8 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
     """The memory tier, its Orbax manager built as the directory's (data in its steps)."""
 
     def make_manager(path: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+        if opening.host_local:  # this process's own manager, as the directory's
+            options = _own_process(options, opening.options)
         return orbax_manager(
             dataclasses.replace(opening, directory=path, options=options), (), check_layout(path)
         )
@@ -410,6 +420,22 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
         make_manager=make_manager,
         read_only=opening.options.read_only,
         enable_async=opening.options.enable_async_checkpointing,
+    )
+
+
+def _own_process(
+    options: ocp.CheckpointManagerOptions, directory: ocp.CheckpointManagerOptions
+) -> ocp.CheckpointManagerOptions:
+    """Host-local: the memory tier's Orbax ``options`` made one process's, as the directory's
+    ``directory`` options are (see ``_hosts.check_host_local``), with barrier keys of its own."""
+    processes = directory.multiprocessing_options
+    return dataclasses.replace(
+        options,
+        multiprocessing_options=dataclasses.replace(
+            processes, barrier_sync_key_prefix=f"{processes.barrier_sync_key_prefix}-memory"
+        ),
+        async_options=directory.async_options,
+        create=False,
     )
 
 
