@@ -138,8 +138,7 @@ def check_memory(
         raise TypeError(f"memory: expected True, a folder (str or path) or None, got {memory!r}.")
     if processes > 1:
         raise ValueError(
-            f"memory=: the memory tier supports one {unit} per directory; this job has "
-            f"{processes}. {hint}"
+            f"memory=: the memory tier supports one {unit}; this job has {processes}. {hint}"
         )
     if memory is True:
         found = find_tmpfs()
