@@ -37,6 +37,7 @@ __all__ = [
     "agree_steps",
     "check_host_local",
     "exchange",
+    "own_process",
     "restore_together",
 ]
 
@@ -94,6 +95,23 @@ def check_host_local(
         options, multiprocessing_options=mine, create=False, async_options=sync_dirs
     )
     return local, True
+
+
+def own_process(
+    options: ocp.CheckpointManagerOptions, directory: ocp.CheckpointManagerOptions
+) -> ocp.CheckpointManagerOptions:
+    """The memory tier's Orbax ``options`` made this process's own, as the host-local
+    directory's ``directory`` options are (:func:`check_host_local`), with barrier keys of
+    its own."""
+    processes = directory.multiprocessing_options
+    return dataclasses.replace(
+        options,
+        multiprocessing_options=dataclasses.replace(
+            processes, barrier_sync_key_prefix=f"{processes.barrier_sync_key_prefix}-memory"
+        ),
+        async_options=directory.async_options,
+        create=False,
+    )
 
 
 def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:

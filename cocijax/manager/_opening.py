@@ -43,7 +43,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_at_open, check_host_local
+from cocijax.manager._hosts import agree_at_open, check_host_local, own_process
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -188,14 +188,9 @@ def check_arguments(
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
     # Host-local, each process has a memory tier of its own (the shared directory has one).
-    memory_options = check_memory(
-        memory,
-        memory_bytes,
-        path,
-        processes=1 if host_local else jax.process_count(),
-        hint="Pass host_local=True (each process its own folders and memory tier), or open "
-        "without memory=.",
-    )
+    hint = "Pass host_local=True (each process its own folders and memory tier), or no memory=."
+    processes = 1 if host_local else jax.process_count()
+    memory_options = check_memory(memory, memory_bytes, path, processes=processes, hint=hint)
     orbax_options, several = check_host_local(host_local, orbax_options)
     if several:
         handler_options["host_local"] = True
@@ -408,7 +403,7 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
 
     def make_manager(path: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
         if opening.host_local:  # this process's own manager, as the directory's
-            options = _own_process(options, opening.options)
+            options = own_process(options, opening.options)
         return orbax_manager(
             dataclasses.replace(opening, directory=path, options=options), (), check_layout(path)
         )
@@ -420,22 +415,6 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
         make_manager=make_manager,
         read_only=opening.options.read_only,
         enable_async=opening.options.enable_async_checkpointing,
-    )
-
-
-def _own_process(
-    options: ocp.CheckpointManagerOptions, directory: ocp.CheckpointManagerOptions
-) -> ocp.CheckpointManagerOptions:
-    """Host-local: the memory tier's Orbax ``options`` made one process's, as the directory's
-    ``directory`` options are (see ``_hosts.check_host_local``), with barrier keys of its own."""
-    processes = directory.multiprocessing_options
-    return dataclasses.replace(
-        options,
-        multiprocessing_options=dataclasses.replace(
-            processes, barrier_sync_key_prefix=f"{processes.barrier_sync_key_prefix}-memory"
-        ),
-        async_options=directory.async_options,
-        create=False,
     )
 
 
