@@ -101,6 +101,7 @@ def check_memory(
     *,
     processes: int,
     unit: str = "process",
+    hint: str = "Open without memory=.",
     stacklevel: int = 4,
 ) -> MemoryOptions | None:
     """A manager's ``memory`` and ``memory_bytes`` arguments, checked (see its docstring).
@@ -111,6 +112,7 @@ def check_memory(
       directory: the checkpoint directory (the folder may not overlap it).
       processes: how many processes save together (the tier supports one).
       unit: what a process is called in the error (``"process"``, ``"rank"``).
+      hint: what the error with several processes tells to do.
       stacklevel: as for ``warnings.warn``: the user's call to the manager.
 
     Returns:
@@ -120,7 +122,7 @@ def check_memory(
     Raises:
       TypeError: ``memory`` is not a bool or a path, or ``memory_bytes`` not an int.
       ValueError: ``memory_bytes`` is not positive, the folder overlaps ``directory``, or the
-        job has several processes (not supported yet).
+        job has several processes saving into one directory.
     """
     if memory_bytes is not None and (
         isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
@@ -136,8 +138,7 @@ def check_memory(
         raise TypeError(f"memory: expected True, a folder (str or path) or None, got {memory!r}.")
     if processes > 1:
         raise ValueError(
-            f"memory=: the memory tier supports one {unit}; this job has {processes}. "
-            "Open without memory=."
+            f"memory=: the memory tier supports one {unit}; this job has {processes}. {hint}"
         )
     if memory is True:
         found = find_tmpfs()

@@ -131,6 +131,7 @@ class CheckpointManager:
         process's death, not the machine's) and restores read it first; the disk and the
         durable tier get the persisted saves only (a two-level policy's level 2, every save
         of a one-level policy). It keeps two steps; one folder per directory (its identity).
+        Several processes need ``host_local``: each keeps its shards in its own memory tier.
       memory_bytes: the memory tier's budget (default: two states, at most the tmpfs's free
         space). A state whose two copies do not fit is refused at the first save (a
         ``ValueError`` naming the sizes); with ``memory=True`` the manager warns and saves to
@@ -271,8 +272,8 @@ class CheckpointManager:
         return self._durable.steps() if self._durable is not None else []
 
     def memory_steps(self) -> list[int]:
-        """Steps committed in the memory tier, oldest first (``[]`` without one)."""
-        return [] if self._memory is None else self._memory.steps()
+        """Memory tier steps (several processes: those all hold), oldest first (``[]``: none)."""
+        return [] if self._memory is None else self._memory.listed()
 
     _local_steps = _saving.local_steps  # the disk's committed steps (``every=True``: all)
 

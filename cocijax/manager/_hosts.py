@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -37,10 +37,13 @@ __all__ = [
     "HostsError",
     "agree_at_open",
     "agree_listed",
+    "agree_memory",
     "agree_steps",
     "check_host_local",
     "drop_unagreed",
     "exchange",
+    "own_process",
+    "restore_together",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ class HostsError(RuntimeError):
 
 
 def check_host_local(
-    host_local: bool, options: ocp.CheckpointManagerOptions, memory: Any
+    host_local: bool, options: ocp.CheckpointManagerOptions
 ) -> tuple[ocp.CheckpointManagerOptions, bool]:
     """The Orbax options of a manager with ``host_local``, and whether it is host-local (asked
     for, with several processes).
@@ -66,7 +69,7 @@ def check_host_local(
 
     Raises:
       ValueError: ``host_local`` with ``options.multiprocessing_options`` set (which processes
-        write is what ``host_local`` decides), or with a memory tier (not supported yet).
+        write is what ``host_local`` decides).
     """
     if not host_local:
         return options, False
@@ -75,11 +78,6 @@ def check_host_local(
         raise ValueError(
             "host_local=True: options.multiprocessing_options must be left unset (got "
             f"{given}): with host_local each process is the only writer of its own directory."
-        )
-    if memory is not None:
-        raise ValueError(
-            "memory: the memory tier is not supported with host_local=True yet; open without "
-            "memory= (each process's local folder and the durable tier serve)."
         )
     if jax.process_count() == 1:
         return options, False
@@ -102,6 +100,23 @@ def check_host_local(
         options, multiprocessing_options=mine, create=False, async_options=sync_dirs
     )
     return local, True
+
+
+def own_process(
+    options: ocp.CheckpointManagerOptions, directory: ocp.CheckpointManagerOptions
+) -> ocp.CheckpointManagerOptions:
+    """The memory tier's Orbax ``options`` made this process's own, as the host-local
+    directory's ``directory`` options are (:func:`check_host_local`), with barrier keys of
+    its own."""
+    processes = directory.multiprocessing_options
+    return dataclasses.replace(
+        options,
+        multiprocessing_options=dataclasses.replace(
+            processes, barrier_sync_key_prefix=f"{processes.barrier_sync_key_prefix}-memory"
+        ),
+        async_options=directory.async_options,
+        create=False,
+    )
 
 
 def exchange(what: str, payload: Any, *, timeout_s: float) -> list[Any]:
@@ -183,7 +198,10 @@ def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) ->
     Raises:
       HostsError: a process did not answer within ``timeout_s``.
     """
-    mine = set(mngr._local_steps()) | set(mngr._orbax_steps)
+    if mngr._memory is not None:
+        agree_memory(mngr, timeout_s)
+    # A memory step counts only where every process holds it (agree_memory).
+    mine = set(mngr._local_steps()) | set(mngr._orbax_steps) | set(mngr.memory_steps())
     durable: list[int] = []
     if mngr._durable is not None:
         durable = mngr._durable.refreshed_steps() if refresh else mngr._durable.steps()
@@ -250,3 +268,101 @@ def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
             (durable.root / str(step)).delete_all()
     except (ValueError, OSError, LeaseError) as e:  # the tier's next collection tries again
         log.warning("%s: cannot remove uncommitted steps yet (%s)", durable.url, e)
+
+
+def agree_memory(mngr: CheckpointManager, timeout_s: float) -> set[int]:
+    """Hides from ``mngr``'s memory listing the memory steps some process lacks, so that a
+    step is restored from memory by every process or by none (a process whose host was
+    rebooted or replaced lost its memory tier: the job then reads that step's disk or durable
+    copy, every process alike).
+
+    Collective (called by :func:`agree_listed`). A memory step committed after the agreement
+    is listed as this process's own until the next one, as a local step is.
+
+    Returns:
+      The memory steps every process holds committed.
+
+    Raises:
+      HostsError: a process did not answer within ``timeout_s``.
+    """
+    held = mngr._memory.steps()
+    answers = exchange(
+        f"agreeing on the memory steps of {mngr._directory}", held, timeout_s=timeout_s
+    )
+    each = [set(a) for a in answers]
+    everywhere = set.intersection(*each)
+    lacking = {p: sorted(set(held) - s) for p, s in enumerate(each) if set(held) - s}
+    if lacking:
+        log.warning(
+            "%s: memory step(s) %s are not in every process's memory tier (process(es) %s "
+            "lack them: a rebooted or replaced host); they are restored from the disk or the "
+            "durable tier, if at all",
+            mngr._directory,
+            sorted(set(held) - everywhere),
+            sorted(lacking),
+        )
+    mngr._memory.unshared = set.union(*each) - everywhere
+    return everywhere
+
+
+def restore_together(
+    mngr: CheckpointManager, restore_newest: Callable[[], Any], *, damage: tuple[type, ...]
+) -> Any:
+    """Restores the newest step every process can restore, on every process (collective).
+
+    Each process restores the newest listed step from its own copies (memory, then local, then
+    durable). A memory copy is checked only as it is read (its checksums), so a process may
+    find its only copy of that step damaged (a level-1 step, in memory only): the processes
+    then hide that step and try the next newest one, all of them, rather than resume from
+    different steps.
+
+    Args:
+      restore_newest: this process's restore of the newest listed step.
+      damage: the errors that make a step unservable here (any other ends the restore).
+
+    Returns:
+      What ``restore_newest`` returned for the step every process restored.
+
+    Raises:
+      HostsError: a process did not answer within ``store_timeout_s``, or another process
+        failed otherwise than by damage (named, with its error), or no step is left.
+      Exception: this process's own error, when it was not damage.
+    """
+    while True:
+        tried = mngr.latest_step()
+        restored, error, fatal = None, None, None
+        try:
+            restored = restore_newest()
+        except damage as e:
+            error = e
+        except Exception as e:
+            error, fatal = e, f"{type(e).__name__}: {e}"
+        verdict = {"tried": tried, "ok": error is None, "fatal": fatal}
+        answers = exchange(f"restoring {mngr._directory}", verdict, timeout_s=mngr._store_timeout_s)
+        if fatal is not None:
+            raise error
+        for process, answer in enumerate(answers):
+            if answer["fatal"] is not None:
+                raise HostsError(
+                    f"restore: process {process} failed to restore step {answer['tried']} of "
+                    f"its {mngr._directory}: {answer['fatal']}"
+                )
+        failed = {a["tried"] for a in answers if not a["ok"]}
+        if not failed:
+            return restored
+        mngr._hidden |= failed
+        mngr._latest_saved = mngr.latest_step()  # the job resumes before them
+        log.warning(
+            "%s: step(s) %s could not be restored by process(es) %s (damaged): every process "
+            "restores an older step",
+            mngr._directory,
+            sorted(failed),
+            [p for p, a in enumerate(answers) if not a["ok"]],
+        )
+        if mngr._latest_saved is None:
+            if error is not None:
+                raise error
+            raise HostsError(
+                f"restore: no step of {mngr._directory} is restorable by every process "
+                f"(damaged on another: {sorted(failed)})."
+            )

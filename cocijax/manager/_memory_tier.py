@@ -90,6 +90,8 @@ class MemoryTier:
         self._lock: DirectoryLock | None = None
         self._fits_checked = False
         self._committed: set[int] = set()
+        # Several processes (host-local): committed steps some process lacks (``_hosts``).
+        self.unshared: set[int] = set()
         self._saving: int | None = None
         self._removal: threading.Thread | None = None  # deleted slots being removed
         if not read_only:
@@ -131,6 +133,11 @@ class MemoryTier:
                 self._committed.add(step)
         return [s for s in steps if s in self._committed]
 
+    def listed(self) -> list[int]:
+        """The committed steps in memory the job restores from memory, oldest first: with
+        several processes, those every process holds (as last agreed)."""
+        return [s for s in self.steps() if s not in self.unshared]
+
     # -- saving -----------------------------------------------------------------------------
 
     def check_fits(self, nbytes: int) -> bool:
@@ -155,6 +162,11 @@ class MemoryTier:
         Call once the previous save has been waited for (:meth:`wait`).
         """
         committed = self.steps()
+        if step in committed:
+            # Several processes: a step not every process held (hidden), which the job resumed
+            # before; it is saved anew.
+            self.orbax.delete(step)
+            committed.remove(step)
         for old in older_slots(committed):  # the newest stays until this one commits
             self.orbax.delete(old)  # renamed into the trash: unlisted at once
             self._committed.discard(old)

@@ -43,7 +43,7 @@ from cocijax.manager._directory import (
 )
 from cocijax.manager._disk_copy import DiskCopy
 from cocijax.manager._gc import Remover, quarantine
-from cocijax.manager._hosts import agree_at_open, check_host_local
+from cocijax.manager._hosts import agree_at_open, check_host_local, own_process
 from cocijax.manager._identity import (
     check_directory,
     check_locations,
@@ -187,8 +187,11 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
-    memory_options = check_memory(memory, memory_bytes, path, processes=jax.process_count())
-    orbax_options, several = check_host_local(host_local, orbax_options, memory_options)
+    # Host-local, each process has a memory tier of its own (the shared directory has one).
+    hint = "Pass host_local=True (each process its own folders and memory tier), or no memory=."
+    processes = 1 if host_local else jax.process_count()
+    memory_options = check_memory(memory, memory_bytes, path, processes=processes, hint=hint)
+    orbax_options, several = check_host_local(host_local, orbax_options)
     if several:
         handler_options["host_local"] = True
     primary = several or jax.process_index() == (
@@ -399,6 +402,8 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
     """The memory tier, its Orbax manager built as the directory's (data in its steps)."""
 
     def make_manager(path: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+        if opening.host_local:  # this process's own manager, as the directory's
+            options = own_process(options, opening.options)
         return orbax_manager(
             dataclasses.replace(opening, directory=path, options=options), (), check_layout(path)
         )

@@ -14,6 +14,7 @@ These functions are the manager's own, kept apart for size: they take the manage
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from cocijax.core._contract import StepDeletedError
 from cocijax.core._session import restore_order
 from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM, checked_once
 from cocijax.manager._gc import quarantine
+from cocijax.manager._hosts import restore_together
 from cocijax.manager._items import check_extra
 from cocijax.manager._orbax_steps import restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
@@ -61,7 +63,32 @@ def restore(
     partial: bool,
     tier: str | None,
 ) -> Any:
-    """:meth:`cocijax.CheckpointManager.restore` (see there)."""
+    """:meth:`cocijax.CheckpointManager.restore` (see there).
+
+    Host-local with memory tiers, the newest step is restored together: a process that could
+    not restore it from any of its copies (its memory copy damaged, a level-1 step) makes every
+    process restore the next newest step instead (``_hosts.restore_together``).
+    """
+    here = functools.partial(
+        _restore_here, mngr, step, target,
+        fallback=fallback, extra=extra, partial=partial, tier=tier,
+    )  # fmt: skip
+    if step is None and mngr._host_local and mngr._memory is not None:
+        return restore_together(mngr, here, damage=(*_DAMAGE, OSError))
+    return here()
+
+
+def _restore_here(
+    mngr: CheckpointManager,
+    step: int | None,
+    target: Any,
+    *,
+    fallback: bool,
+    extra: dict[str, Any] | None,
+    partial: bool,
+    tier: str | None,
+) -> Any:
+    """This process's restore (see :func:`restore`)."""
     items = check_extra(extra, restoring=True)
     if partial and target is None:
         raise ValueError(
@@ -109,8 +136,8 @@ def _copies(
 
     Without ``fallback``, the memory copies of the newest step and of older ones are tried
     before the first copy of another tier (which is the last): a memory copy may be torn.
-    Host-local, every copy of the step is tried in turn: a process's own copy holds its
-    shards only, the durable one every shard.
+    Host-local, every copy of the step is tried in turn (memory, local, durable), never an
+    older step's: a process's own copies hold its shards only, the durable one every shard.
     """
     if tier not in (None, "memory", "local", "durable"):
         raise ValueError(
@@ -142,7 +169,9 @@ def _copies(
     copies = restore_order(step, tiers, fallback=fallback or several, where=where)
     if fallback or not several:
         return copies
-    if step is not None or not memory:  # that step's copies only
+    # Host-local, every process restores the agreed step: a damaged memory copy on one of them
+    # must not take it to an older step than the others.
+    if step is not None or not memory or mngr._host_local:  # that step's copies only
         return [c for c in copies if c[0] == copies[0][0]]
     others = [i for i, (_, name) in enumerate(copies) if name != "memory"]
     return copies[: others[0] + 1] if others else copies

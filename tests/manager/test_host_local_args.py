@@ -33,11 +33,16 @@ def test_host_local_refuses_its_own_multiprocessing_options(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.filterwarnings("ignore:memory=.*is on a disk:RuntimeWarning")
-def test_host_local_with_a_memory_tier_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="memory: the memory tier is not supported with host_lo"):
-        _open(tmp_path / "ckpt", host_local=True, memory=tmp_path / "shm")
-    assert not (tmp_path / "ckpt").exists()
+def test_host_local_with_a_memory_tier_in_one_process_saves_and_restores_as_usual(tmp_path, memory):
+    state = {"w": np.arange(6, dtype=np.float32)}
+    with _open(tmp_path / "ckpt", host_local=True, memory=memory) as mngr:
+        mngr.save(1, state, loss=1.0, force=True)
+        mngr.wait_until_finished()
+        assert mngr.memory_steps() == [1] and mngr._local_steps() == [1]
+    with _open(tmp_path / "ckpt", host_local=True, memory=memory) as mngr:
+        restored = mngr.restore()
+        assert mngr.restored_tier == "memory"
+    np.testing.assert_array_equal(restored["w"], state["w"])
 
 
 def test_host_local_in_one_process_saves_and_restores_as_usual(tmp_path):
