@@ -77,6 +77,7 @@ def _config(tmp_path: Path, processes: int = 2, **extra: Any) -> dict[str, Any]:
     return {"dirs": dirs, "durable": str(tmp_path / "durable"), "out": str(out), **extra}
 
 
+@pytest.mark.long  # CI keeps the replaced host and the kill mid-save (make test-long: all)
 def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -> None:
     cfg = _config(tmp_path, steps=6)
     _launch({**cfg, "mode": "save"})
@@ -119,7 +120,11 @@ def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -
 
 @pytest.mark.parametrize(
     ("processes", "durable"),
-    [(2, "path"), (2, "s3"), pytest.param(4, "path", marks=pytest.mark.long)],
+    [
+        (2, "path"),
+        pytest.param(2, "s3", marks=pytest.mark.long),
+        pytest.param(4, "path", marks=pytest.mark.long),
+    ],
 )
 def test_a_replaced_host_restores_from_the_durable_tier(
     tmp_path: Path, request: pytest.FixtureRequest, processes: int, durable: str
@@ -148,6 +153,7 @@ def test_a_replaced_host_restores_from_the_durable_tier(
         assert r["mismatches"] == [] and r["shards"] > 0, r
 
 
+@pytest.mark.long  # CI keeps the replaced host and the kill mid-save (make test-long: all)
 def test_a_step_one_process_could_not_commit_is_listed_by_none(tmp_path: Path) -> None:
     # Process 1's local commit of step 6 fails (a full disk): its wait raises that; process
     # 0's durable drain of step 6 never gets process 1's shards and commits nothing; once they
@@ -166,6 +172,7 @@ def test_a_step_one_process_could_not_commit_is_listed_by_none(tmp_path: Path) -
     assert not (Path(cfg["durable"]) / "6").exists()
 
 
+@pytest.mark.long  # CI keeps the replaced host and the kill mid-save (make test-long: all)
 def test_a_process_that_never_opens_makes_the_others_fail_within_the_bound(
     tmp_path: Path,
 ) -> None:
@@ -234,6 +241,7 @@ def test_a_process_killed_mid_save_leaves_no_piece_of_its_step(tmp_path: Path) -
     assert storage.verify(item_dir(cfg["durable"], 6)) == []
 
 
+@pytest.mark.long  # CI keeps the replaced host and the kill mid-save (make test-long: all)
 def test_skewed_clocks_change_neither_the_saves_nor_the_kept_steps(tmp_path: Path) -> None:
     # Each process's clock has its own offset and runs at its own rate: the step times and
     # save costs each measures differ 16-fold, and so would the intervals Young's rule takes

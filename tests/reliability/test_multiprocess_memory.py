@@ -92,6 +92,7 @@ def _save(cfg: dict[str, Any], steps: int = 5) -> None:
         assert rec["local"] == rec["durable"] == evens[-2:], rec
 
 
+@pytest.mark.long  # CI keeps the rebooted host (make test-long: all)
 def test_every_process_restores_from_its_memory_when_all_hold_the_step(cfg) -> None:
     _save(cfg)
     _launch({**cfg, "mode": "restore"})
@@ -126,6 +127,7 @@ def test_a_rebooted_host_makes_every_process_restore_from_the_disk(cfg) -> None:
     assert failures == [(1, 0), (1, 1)]  # process 1's host lost its memory: a machine failure
 
 
+@pytest.mark.long  # CI keeps the rebooted host (make test-long: all)
 def test_a_damaged_memory_copy_on_one_process_moves_every_process_to_an_older_step(cfg):
     _save(cfg)
     # A byte flipped in process 1's memory copy of step 5, a level-1 step (memory only): found
