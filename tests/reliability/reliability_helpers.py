@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,64 @@ def child_env(devices: int = 1, **extra: str) -> dict[str, str]:
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # keep XLA's start-up chatter out of the test output
     env.update(extra)
     return env
+
+
+def launch_job(
+    worker: str,
+    cfg: dict[str, Any],
+    n: int,
+    *,
+    devices: int,
+    timeout: float,
+    killed: int = -1,
+    check: bool = True,
+    while_running: Any = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs ``n`` processes of the JAX job ``worker`` (a script beside this file) together.
+
+    Each gets ``cfg`` with ``num_processes``, ``process_id`` and a free ``port``, and
+    ``devices`` simulated devices. ``while_running`` is called with the processes once they are
+    started. A process still running after ``timeout`` fails the test (a hang); with ``check``,
+    so does one that exits non-zero (but process ``killed``, which must die of SIGKILL).
+    """
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / worker),
+                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
+            ],
+            env=child_env(devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    done = []
+    try:
+        if while_running is not None:
+            while_running(procs)
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{worker}: process {i} still runs after {timeout:g} s (a hang)")
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    if check:
+        errors = [
+            f"process {i} exited {d.returncode}:\n{d.stderr[-4000:]}"
+            for i, d in enumerate(done)
+            if d.returncode != (-signal.SIGKILL if i == killed else 0)
+        ]
+        assert not errors, "\n".join(errors)
+    return done
 
 
 def run_script(

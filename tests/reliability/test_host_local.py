@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from reliability_helpers import HERE, child_env, free_port, item_dir
+from reliability_helpers import item_dir, launch_job
 
 from cocijax import storage
 
@@ -35,34 +32,8 @@ def _launch(
 ) -> None:
     """Runs ``len(cfg["dirs"])`` workers together (``devices`` in all); fails with their
     stderr if any fails (but process ``killed``, which must die of SIGKILL)."""
-    port = free_port()
     n = len(cfg["dirs"])
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_hosts_worker.py"),
-                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
-            ],
-            env=child_env(devices // n),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    errors = []
-    try:
-        for i, p in enumerate(procs):
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode != (-signal.SIGKILL if i == killed else 0):
-                errors.append(f"process {i} exited {p.returncode}:\n{err[-4000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert not errors, "\n".join(errors)
+    launch_job("_hosts_worker.py", cfg, n, devices=devices // n, timeout=timeout, killed=killed)
 
 
 def _records(cfg: dict[str, Any], name: str) -> list[dict[str, Any]]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from reliability_helpers import HERE, child_env, free_port, item_dir, pieces
+from reliability_helpers import item_dir, launch_job, pieces
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("reliability-multiprocess")]
 
@@ -34,39 +33,10 @@ def _launch(
     timeout: float = 240.0,
     while_running: Callable[[list[subprocess.Popen]], None] | None = None,
 ) -> None:
-    """Runs ``n`` workers (process ids 0..n-1) together; fails with their stderr if any fails.
-
-    ``while_running`` is called with the processes once they are started.
-    """
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_mp_worker.py"),
-                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
-            ],
-            env=child_env(devices),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    errors = []
-    try:
-        if while_running is not None:
-            while_running(procs)
-        for i, p in enumerate(procs):
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                errors.append(f"process {i} exited {p.returncode}:\n{err[-4000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert not errors, "\n".join(errors)
+    """Runs ``n`` workers (process ids 0..n-1) together; fails with their stderr if any fails."""
+    launch_job(
+        "_mp_worker.py", cfg, n, devices=devices, timeout=timeout, while_running=while_running
+    )
 
 
 def _contains(outer: list[list[int]], inner: list[list[int]]) -> bool:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from reliability_helpers import HERE, child_env, free_port
+from reliability_helpers import launch_job
 
 import cocijax as cj
 
@@ -29,35 +28,7 @@ TIMEOUT_S = 120.0
 
 def _run(cfg: dict[str, Any], n: int = 2) -> list[subprocess.CompletedProcess[str]]:
     """Runs ``n`` processes of ``_mp_faults.py`` together; fails if any outlives TIMEOUT_S."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_mp_faults.py"),
-                json.dumps({**cfg, "num_processes": n, "process_id": i, "port": port}),
-            ],
-            env=child_env(1),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    done = []
-    try:
-        for i, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"process {i} still runs after {TIMEOUT_S:g} s (a hang)")
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return done
+    return launch_job("_mp_faults.py", cfg, n, devices=1, timeout=TIMEOUT_S, check=False)
 
 
 def test_processes_at_different_steps_all_raise_naming_the_steps(tmp_path: Path) -> None:

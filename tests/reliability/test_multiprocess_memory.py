@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from reliability_helpers import HERE, child_env, free_port
+from reliability_helpers import launch_job
 
 from cocijax.core._memory import find_tmpfs
 
@@ -32,33 +30,7 @@ PROCESSES = 2
 
 def _launch(cfg: dict[str, Any], timeout: float = 180.0) -> None:
     """Runs the workers together; fails with their stderr if any fails."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "_mpmemory_worker.py"),
-                json.dumps({**cfg, "num_processes": PROCESSES, "process_id": i, "port": port}),
-            ],
-            env=child_env(DEVICES // PROCESSES),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(PROCESSES)
-    ]
-    errors = []
-    try:
-        for i, p in enumerate(procs):
-            _, err = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                errors.append(f"process {i} exited {p.returncode}:\n{err[-4000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert not errors, "\n".join(errors)
+    launch_job("_mpmemory_worker.py", cfg, PROCESSES, devices=DEVICES // PROCESSES, timeout=timeout)
 
 
 def _records(cfg: dict[str, Any], name: str) -> list[dict[str, Any]]:
