@@ -28,9 +28,13 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 import socket
+import subprocess
+import tempfile
 import urllib.request
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -248,3 +252,45 @@ def gcs(gcs_server) -> GcsBucket:
     with urllib.request.urlopen(request, timeout=10) as answer:
         assert answer.status == 200, answer.read()
     return GcsBucket(name)
+
+
+@pytest.fixture
+def memory() -> Iterator[Path]:
+    """A fresh folder on the shared-memory tmpfs, removed afterwards (skipped without one)."""
+    from cocijax.core._memory import find_tmpfs
+
+    tmpfs = find_tmpfs()
+    if tmpfs is None:
+        pytest.skip("no shared-memory tmpfs on this machine")
+    path = Path(tempfile.mkdtemp(dir=tmpfs, prefix="cocijax-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs mounted for this test only; skipped where mounting is not allowed."""
+    yield from _mount_tmpfs(tmp_path / "tmpfs", "size=8m")
+
+
+@pytest.fixture
+def read_only_root(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs: root ignores permission bits, so only a read-only mount stops it."""
+    yield from _mount_tmpfs(tmp_path / "ro", "ro,size=1m")
+
+
+def _mount_tmpfs(mnt: Path, options: str) -> Iterator[Path]:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        # A lazy unmount still detaches the mount if a file in it is open somewhere.
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -33,14 +32,6 @@ pytestmark = [
 ]
 
 N = 1000  # elements of the state's array
-
-
-@pytest.fixture
-def memory():
-    """A fresh folder on the tmpfs, removed afterwards."""
-    path = Path(tempfile.mkdtemp(dir=TMPFS, prefix="cocijax-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def alternating():
