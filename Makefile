@@ -59,7 +59,7 @@ systools:
 	fi
 
 test: lint systools
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not long" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not long" --durations=25 $(PYTEST_ARGS)
 
 # The tests `test` leaves out (`@pytest.mark.long`): the larger shares of the fault sweeps and
 # the end-to-end runs. Same set-up as `test`.
