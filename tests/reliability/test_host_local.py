@@ -81,12 +81,17 @@ def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -
     assert storage.verify(item_dir(cfg["durable"], 6)) == []
 
     # Another topology (the devices in reverse order): each process's own copy lacks rows its
-    # devices now hold, so every process reads the step from the durable tier instead.
+    # devices now hold, so every process reads the step from both processes' folders (one
+    # machine: both reachable), and, once process 1's folder is gone, from the durable tier.
     _launch({**cfg, "mode": "restore", "reverse": True})
     restores = _records(cfg, "restore")
-    assert [(r["step"], r["tier"]) for r in restores] == [(6, "durable")] * 2, restores
+    assert [(r["step"], r["tier"]) for r in restores] == [(6, "local")] * 2, restores
     for r in restores:
         assert r["mismatches"] == [] and r["shards"] > 0, r
+    shutil.rmtree(Path(cfg["dirs"][1]).parent)
+    _launch({**cfg, "dirs": cfg["dirs"][:1], "mode": "restore", "reverse": True}, devices=4)
+    [r] = _records({**cfg, "dirs": cfg["dirs"][:1]}, "restore")
+    assert (r["step"], r["tier"], r["mismatches"]) == (6, "durable", []), r
 
 
 @pytest.mark.parametrize(
