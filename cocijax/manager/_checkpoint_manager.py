@@ -360,7 +360,8 @@ class CheckpointManager:
           target: an abstract tree (``jax.ShapeDtypeStruct`` with shardings, or arrays) giving
             the structure, dtypes and placement; None restores as saved.
           fallback: if the step is damaged, restore the newest older step that is intact
-            instead (a warning names each step skipped; see :attr:`restored_step`).
+            instead (a warning names each step skipped; see :attr:`restored_step`); with
+            ``host_local``, every process restores the same step (collective).
           extra: items saved with ``save(extra=...)`` to restore too: names to Orbax restore
             args (``ocp.args.JsonRestore()``, ``grain.checkpoint.CheckpointRestore(iterator)``).
           partial: ``target`` may be any sub-tree of the saved state (e.g. only the

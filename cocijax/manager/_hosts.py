@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import orbax.checkpoint as ocp
 
+from cocijax.manager._cross_read import record_folder
 from cocijax.manager._gc import quarantine
 from cocijax.manager._tier_layout import scan
 from cocijax.manager._tier_lease import LeaseError
@@ -213,9 +214,12 @@ def agree_listed(mngr: CheckpointManager, timeout_s: float, *, refresh: bool) ->
 def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
     """Host-local: the processes agree on the steps all of them can serve (``_hosts``), then
     the durable tier drains the newest agreed local step if it lacks it (every process its own
-    shards); nothing is drained before they agree."""
+    shards); nothing is drained before they agree. Each writer records its folder in the
+    durable tier, for a job on another topology to read its copies (``_cross_read``)."""
     if mngr._durable is not None:
         mngr._durable.open(None)
+        if not mngr._read_only:
+            record_folder(mngr)
     agreed = agree_listed(mngr, timeout_s, refresh=False)
     drop_unagreed(mngr, agreed)
     durable = mngr._durable.steps() if mngr._durable is not None else []
@@ -224,7 +228,7 @@ def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
         mngr._durable.offer(newest, force=True)
 
 
-def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
+def drop_unagreed(mngr: CheckpointManager, agreed: set[int], *, durable: bool = True) -> None:
     """Removes what is left of the saves some process never finished: the steps newer than
     the newest step every process can serve (a process killed mid-save, a replaced host).
 
@@ -233,7 +237,8 @@ def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
     the processes agree on no step at all: then a process's folders may simply be missing),
     and process 0 removes their uncommitted prefixes from the durable tier. Called at opening,
     once every process answered: no process drains such a step before the job's next save,
-    whose decision waits for process 0.
+    whose decision waits for process 0. Without ``durable`` (after the opening, when a drain
+    may be writing those prefixes) the durable tier is left to its collection.
     """
     if mngr._read_only:
         return
@@ -256,18 +261,18 @@ def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
         mngr._hidden.discard(step)
     if stale:
         mngr.orbax.reload()
-    durable = mngr._durable
-    if durable is None or not durable.options.committer:
+    tier = mngr._durable
+    if not durable or tier is None or not tier.options.committer:
         return
     try:
-        unfinished = [s for s in scan(durable.root)[1] if s > after]
+        unfinished = [s for s in scan(tier.root)[1] if s > after]
         if unfinished:
-            durable._lease.acquire(0)
+            tier._lease.acquire(0)
         for step in unfinished:
-            log.info("%s: removing the uncommitted parts of step %d", durable.url, step)
-            (durable.root / str(step)).delete_all()
+            log.info("%s: removing the uncommitted parts of step %d", tier.url, step)
+            (tier.root / str(step)).delete_all()
     except (ValueError, OSError, LeaseError) as e:  # the tier's next collection tries again
-        log.warning("%s: cannot remove uncommitted steps yet (%s)", durable.url, e)
+        log.warning("%s: cannot remove uncommitted steps yet (%s)", tier.url, e)
 
 
 def agree_memory(mngr: CheckpointManager, timeout_s: float) -> set[int]:
@@ -311,13 +316,17 @@ def restore_together(
     """Restores the newest step every process can restore, on every process (collective).
 
     Each process restores the newest listed step from its own copies (memory, then local, then
-    durable). A memory copy is checked only as it is read (its checksums), so a process may
-    find its only copy of that step damaged (a level-1 step, in memory only): the processes
-    then hide that step and try the next newest one, all of them, rather than resume from
-    different steps.
+    durable; with ``fallback``, older steps too), then they exchange the step each restored.
+    A memory copy is checked only as it is read (its checksums), so a process may find its
+    only copy of that step damaged (a level-1 step, in memory only): every process then hides
+    that step and tries the next newest one. Likewise when they restored different steps
+    (with ``fallback``, one process's copies of the newest step were damaged or lacked
+    regions): every process hides the steps newer than the oldest of those and restores
+    again, until all of them restore the same step.
 
     Args:
-      restore_newest: this process's restore of the newest listed step.
+      restore_newest: this process's restore of the newest listed step (the manager's
+        ``restored_step`` then says which step it restored).
       damage: the errors that make a step unservable here (any other ends the restore).
 
     Returns:
@@ -328,16 +337,19 @@ def restore_together(
         failed otherwise than by damage (named, with its error), or no step is left.
       Exception: this process's own error, when it was not damage.
     """
+    kept: tuple[int, Any] | None = None  # this process's restore of the step they go back to
     while True:
         tried = mngr.latest_step()
         restored, error, fatal = None, None, None
         try:
-            restored = restore_newest()
+            # A step this process restored already is not read again (restored_step says it).
+            restored = kept[1] if kept is not None and kept[0] == tried else restore_newest()
         except damage as e:
             error = e
         except Exception as e:
             error, fatal = e, f"{type(e).__name__}: {e}"
-        verdict = {"tried": tried, "ok": error is None, "fatal": fatal}
+        step = mngr.restored_step if error is None else None
+        verdict = {"tried": tried, "restored": step, "fatal": fatal}
         answers = exchange(f"restoring {mngr._directory}", verdict, timeout_s=mngr._store_timeout_s)
         if fatal is not None:
             raise error
@@ -347,17 +359,21 @@ def restore_together(
                     f"restore: process {process} failed to restore step {answer['tried']} of "
                     f"its {mngr._directory}: {answer['fatal']}"
                 )
-        failed = {a["tried"] for a in answers if not a["ok"]}
-        if not failed:
+        failed = {a["tried"] for a in answers if a["restored"] is None}
+        steps = {a["restored"] for a in answers} - {None}
+        if not failed and len(steps) == 1:
             return restored
+        if not failed:  # every process restored a step, not the same: the oldest of them
+            failed = {s for s in mngr.all_steps() if s > min(steps)}
+            kept = (step, restored) if step == min(steps) else None
         mngr._hidden |= failed
         mngr._latest_saved = mngr.latest_step()  # the job resumes before them
         log.warning(
-            "%s: step(s) %s could not be restored by process(es) %s (damaged): every process "
-            "restores an older step",
+            "%s: step(s) %s could not be restored by every process (restored per process: "
+            "%s): every process restores an older step",
             mngr._directory,
             sorted(failed),
-            [p for p, a in enumerate(answers) if not a["ok"]],
+            [a["restored"] for a in answers],
         )
         if mngr._latest_saved is None:
             if error is not None:

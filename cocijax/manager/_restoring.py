@@ -25,9 +25,10 @@ import orbax.checkpoint as ocp
 from cocijax import storage
 from cocijax.core._contract import StepDeletedError
 from cocijax.core._session import restore_order
+from cocijax.manager._cross_read import is_host_local, restore_from_folders
 from cocijax.manager._directory import POLICY_ITEM, STATE_ITEM, checked_once
 from cocijax.manager._gc import quarantine
-from cocijax.manager._hosts import restore_together
+from cocijax.manager._hosts import drop_unagreed, restore_together
 from cocijax.manager._items import check_extra
 from cocijax.manager._orbax_steps import restore_orbax_step
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
@@ -41,6 +42,8 @@ __all__ = ["load_policy", "restore", "restore_items"]
 log = logging.getLogger(__name__)
 
 _DAMAGE = (storage.CorruptCheckpointError, storage.CheckpointFormatError)
+# Copies as messages name them.
+_NAMES = {"hosts": "other processes' local"}
 # How often ``restore()`` retries with the newest step when the one it reads is deleted.
 _DELETED_RETRIES = 8
 
@@ -65,16 +68,25 @@ def restore(
 ) -> Any:
     """:meth:`cocijax.CheckpointManager.restore` (see there).
 
-    Host-local with memory tiers, the newest step is restored together: a process that could
-    not restore it from any of its copies (its memory copy damaged, a level-1 step) makes every
-    process restore the next newest step instead (``_hosts.restore_together``).
+    Host-local, the newest step is restored together (``_hosts.restore_together``) with
+    memory tiers or ``fallback``: a process that could not restore it from any of its copies
+    (its memory copy damaged, a level-1 step) makes every process restore the next newest one
+    instead; with ``fallback`` every process restores the newest step all of them can restore
+    whole, and the newer copies are dropped (the job saves those steps again).
     """
     here = functools.partial(
         _restore_here, mngr, step, target,
         fallback=fallback, extra=extra, partial=partial, tier=tier,
     )  # fmt: skip
-    if step is None and mngr._host_local and mngr._memory is not None:
-        return restore_together(mngr, here, damage=(*_DAMAGE, OSError))
+    if step is None and mngr._host_local and (fallback or mngr._memory is not None):
+        # With fallback a process restores an older step itself when it must: no step is
+        # left to try after its error.
+        damage = () if fallback else (*_DAMAGE, OSError)
+        restored = restore_together(mngr, here, damage=damage)
+        # The job resumes from that step and saves the newer step numbers again. The opening
+        # may have handed one of them to the durable drain: its parts are left to it.
+        drop_unagreed(mngr, {mngr.restored_step}, durable=False)
+        return restored
     return here()
 
 
@@ -101,6 +113,8 @@ def _restore_here(
             with checked_once():  # one check of each step's manifest per attempt
                 copies = _copies(mngr, step, tier, fallback=fallback)
                 (restored_step, where), restored = _restore_first(mngr, copies, args, fallback)
+                # Every process's copy of a step holds the same policy state: this one's.
+                where = "local" if where == "hosts" else where
                 if mngr._adopted != (restored_step, where):  # the opening's adoption holds
                     load_policy(mngr, restored_step, where=where, stacklevel=4)
         except _Deleted as deleted:
@@ -132,7 +146,9 @@ def _restore_here(
 def _copies(
     mngr: CheckpointManager, step: int | None, tier: str | None, *, fallback: bool
 ) -> list[tuple[int, str]]:
-    """The copies ``restore`` tries in turn: ``(step, "memory" | "local" | "orbax" | "durable")``.
+    """The copies ``restore`` tries in turn: ``(step, "memory" | "local" | "hosts" | "orbax" |
+    "durable")``; ``"hosts"``, after each local copy when there is a durable tier: every
+    process's local copy of the step, where their folders are reachable (``_cross_read``).
 
     Without ``fallback``, the memory copies of the newest step and of older ones are tried
     before the first copy of another tier (which is the last): a memory copy may be torn.
@@ -167,6 +183,15 @@ def _copies(
     # copy is tried.
     several = bool(memory) or mngr._host_local or durable_tier is not None
     copies = restore_order(step, tiers, fallback=fallback or several, where=where)
+    if durable_tier is not None:  # where the folders of a host-local job are recorded
+        # A host-local copy lacking a region: the other processes' copies in their folders,
+        # where they are reachable (``_cross_read``), before the durable one.
+        with_hosts = []
+        for copy in copies:
+            with_hosts.append(copy)
+            if copy[1] == "local" and is_host_local(mngr.item_directory(copy[0])):
+                with_hosts.append((copy[0], "hosts"))
+        copies = with_hosts
     if fallback or not several:
         return copies
     # Host-local, every process restores the agreed step: a damaged memory copy on one of them
@@ -186,13 +211,22 @@ def _restore_first(
       _Deleted: a copy vanished while it was read (a writer deleted it).
     """
     skipped: list[tuple[int, str]] = []
+    # A step's first copy lacking a region: its error names the leaf and the region.
+    not_held: tuple[int, storage.RegionNotHeldError] | None = None
     for step, where in copies:
         try:
             restored = restore_items(mngr, step, where, args)
         except storage.RegionNotHeldError as e:
+            if not_held is None or not_held[0] != step:
+                not_held = (step, e)
+            elif where == "hosts":
+                not_held[1].add_note(f"restore: the other processes' local copies: {e}")
             if (step, where) == copies[-1]:
-                e.add_note(_not_held_hint(mngr, step, copies, fallback))
-                raise
+                first = not_held[1]
+                first.add_note(_not_held_hint(mngr, step, copies, fallback))
+                if first is e:
+                    raise
+                raise first from None
             # Not damage (nothing is set aside): this process's copy holds its own shards only.
             log.info("restore: step %d: the %s copy does not serve: %s", step, where, e)
             continue
@@ -205,7 +239,8 @@ def _restore_first(
             # the step does too: either way it is no longer committed.
             if where == "durable" and mngr._durable.vanished(step):
                 raise _Deleted(step) from e
-            memory = where == "memory" and isinstance(e, (*_DAMAGE, OSError, ValueError))
+            # Other processes' folders, as a memory tier, may be torn or gone: the next copy.
+            memory = where in ("memory", "hosts") and isinstance(e, (*_DAMAGE, OSError, ValueError))
             last = (step, where) == copies[-1]
             if last or not (memory or (fallback and isinstance(e, _DAMAGE))):
                 if skipped:
@@ -234,7 +269,7 @@ def _copy_name(mngr: CheckpointManager, step: int, where: str) -> str:
 def _not_held_hint(
     mngr: CheckpointManager, step: int, copies: list[tuple[int, str]], fallback: bool
 ) -> str:
-    tried = ", ".join(where for s, where in copies if s == step)
+    tried = ", ".join(_NAMES.get(where, where) for s, where in copies if s == step)
     said = (
         f"restore: no copy of step {step} holds that region for process "
         f"{jax.process_index()} (tried: {tried})."
@@ -284,6 +319,8 @@ def restore_items(mngr: CheckpointManager, step: int, where: str, items: dict[st
     """Orbax's restore of ``items`` from the local, Orbax-written or durable copy of ``step``."""
     if where == "local":
         return mngr.orbax.restore(step, args=ocp.args.Composite(**items))
+    if where == "hosts":
+        return restore_from_folders(mngr, step, items)
     if where == "memory":
         return mngr._memory.restore(step, items)
     if where == "orbax":

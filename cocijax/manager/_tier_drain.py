@@ -60,6 +60,19 @@ def drain_step(tier: DurableTier, step: int) -> None:
     if (dest / COMMIT_KEY).read_bytes() is not None:
         _skip_committed(tier, step, dest)
     host = tier.options.process
+    manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
+    if host is None and manifest.holder is not None:
+        # A job of one writer (e.g. one process) opened a host-local job's folder: its copy
+        # holds process ``holder``'s shards only, and a durable step must hold every region.
+        log.warning(
+            "%s: step %d not drained: %s is process %d's host-local copy (its shards only); "
+            "the durable tier takes whole steps (a host-local job drains every process's)",
+            tier.url,
+            step,
+            source,
+            manifest.holder,
+        )
+        return
     if host is None and dest.list():  # an interrupted drain's objects, never committed
         dest.delete_all()  # (host-local: other processes' parts are there: left alone)
     # The step's other files (the policy's state, Orbax's): process 0's copy, host-local.
@@ -76,7 +89,6 @@ def drain_step(tier: DurableTier, step: int) -> None:
         buffers=tier._buffers,
         progress=tier._touch,
     )
-    manifest = storage.read_manifest(source / STATE_ITEM).in_item_dir()
     if host is not None:
         # Host-local: this process's part; process 0 commits once every part is there.
         (dest / STATE_ITEM / _parts.part_path("", host).name).write_bytes(

@@ -18,7 +18,7 @@ from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore
 from cocijax.manager._tier_layout import COMMIT_KEY, step_files
 from cocijax.storage._records import MANIFEST_NAME
 
-__all__ = ["restore_step", "stage"]
+__all__ = ["restore_staged", "restore_step", "stage"]
 
 
 def restore_step(
@@ -47,18 +47,31 @@ def restore_step(
         if STATE_ITEM in items:
             state = dataclasses.replace(items[STATE_ITEM], roots=[pieces])
             items = {**items, STATE_ITEM: state}
-        handler = ocp.CompositeCheckpointHandler(handler_registry=_registry(store_options))
-        alone = ocp.options.MultiprocessingOptions()
-        if process is not None:
-            alone = ocp.options.MultiprocessingOptions(
-                primary_host=None,
-                active_processes={process},
-                barrier_sync_key_prefix=f"cocijax-durable-{process}",
-            )
-        with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
-            return checkpointer.restore(local, args=ocp.args.Composite(**items))
+        return restore_staged(local, items, store_options, process=process)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def restore_staged(
+    local: Path,
+    items: dict[str, Any],
+    store_options: Mapping[str, Any] | None,
+    *,
+    process: int | None = None,
+) -> Any:
+    """Orbax's restore of ``items`` from the staged step directory ``local`` (its pieces read
+    where its manifest, or ``items``' roots, say, with ``store_options``); with ``process``
+    this process restores alone, with no barrier across processes."""
+    handler = ocp.CompositeCheckpointHandler(handler_registry=_registry(store_options))
+    alone = ocp.options.MultiprocessingOptions()
+    if process is not None:
+        alone = ocp.options.MultiprocessingOptions(
+            primary_host=None,
+            active_processes={process},
+            barrier_sync_key_prefix=f"cocijax-durable-{process}",
+        )
+    with ocp.Checkpointer(handler, multiprocessing_options=alone) as checkpointer:
+        return checkpointer.restore(local, args=ocp.args.Composite(**items))
 
 
 def _registry(store_options: Mapping[str, Any] | None) -> ocp.handlers.CheckpointHandlerRegistry:

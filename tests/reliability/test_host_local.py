@@ -81,12 +81,17 @@ def test_each_process_saves_its_own_copy_and_drains_its_shards(tmp_path: Path) -
     assert storage.verify(item_dir(cfg["durable"], 6)) == []
 
     # Another topology (the devices in reverse order): each process's own copy lacks rows its
-    # devices now hold, so every process reads the step from the durable tier instead.
+    # devices now hold, so every process reads the step from both processes' folders (one
+    # machine: both reachable), and, once process 1's folder is gone, from the durable tier.
     _launch({**cfg, "mode": "restore", "reverse": True})
     restores = _records(cfg, "restore")
-    assert [(r["step"], r["tier"]) for r in restores] == [(6, "durable")] * 2, restores
+    assert [(r["step"], r["tier"]) for r in restores] == [(6, "local")] * 2, restores
     for r in restores:
         assert r["mismatches"] == [] and r["shards"] > 0, r
+    shutil.rmtree(Path(cfg["dirs"][1]).parent)
+    _launch({**cfg, "dirs": cfg["dirs"][:1], "mode": "restore", "reverse": True}, devices=4)
+    [r] = _records({**cfg, "dirs": cfg["dirs"][:1]}, "restore")
+    assert (r["step"], r["tier"], r["mismatches"]) == (6, "durable", []), r
 
 
 @pytest.mark.parametrize(
@@ -167,27 +172,67 @@ def test_a_job_of_4_processes_restores_on_2_and_on_1(tmp_path: Path) -> None:
     cfg = _config(tmp_path, 4, steps=6, durable_every=2)
     _launch({**cfg, "mode": "save"})
     assert _records(cfg, "save")[0]["durable"] == [4]
+    folders = sorted(p.name for p in (Path(cfg["durable"]) / "cocijax-folders").iterdir())
+    assert len(folders) == 4, folders  # each process recorded its folder
 
+    # Step 6 is only in the 4 folders, each holding a quarter of the rows; every folder is
+    # reachable (one machine): the reading processes merge the 4 copies.
     for processes in (2, 1):  # 4 devices in all, then 1
         run = {**cfg, "dirs": cfg["dirs"][:processes], "mode": "restore"}
-        # Step 6 is committed in every reading process's folder, but each holds only its
-        # quarter of the rows: a region no tier holds for the new devices.
+        _launch(run, devices=4 // processes * processes)
+        for r in _restored(cfg, processes):
+            assert (r["step"], r["tier"]) == (6, "local"), r
+            assert r["mismatches"] == [] and r["shards"] > 0, r
+    # The openings drained no part of the processes' copies as a whole step.
+    assert not (item_dir(cfg["durable"], 6) / "cocijax_manifest.json").exists()
+
+    shutil.rmtree(Path(cfg["dirs"][3]).parent)  # process 3's machine is gone
+    for processes in (2, 1):
+        run = {**cfg, "dirs": cfg["dirs"][:processes], "mode": "restore"}
+        # Step 6 is committed in every reading process's folder, but no tier holds process
+        # 3's rows of it: a region no tier holds for the new devices.
         _launch({**run, "may_fail": True}, devices=4 // processes * processes)
         for i, r in enumerate(_restored(cfg, processes)):
             assert r["error"].startswith("RegionNotHeldError: "), r
             assert f"holds the shards of process {i} only" in r["error"], r
             assert "Leaf ['opt_state']" in r["error"] or "Leaf ['params']" in r["error"], r
             assert "region [" in r["error"], r
+            assert any("other processes' local" in note for note in r["notes"]), r
             assert any("fallback=True" in note for note in r["notes"]), r
         # With fallback, the newest step complete in some tier: step 4 from the durable tier.
         _launch({**run, "fallback": True}, devices=4 // processes * processes)
         for r in _restored(cfg, processes):
             assert (r["step"], r["tier"]) == (4, "durable"), r
             assert r["mismatches"] == [] and r["shards"] > 0, r
-    # One process asked for step 4, which its folder holds a quarter of: the durable copy.
+    # One process asked for step 4, which its folder holds a quarter of (and the 3 folders
+    # left three quarters): the durable copy.
     _launch({**cfg, "dirs": cfg["dirs"][:1], "mode": "restore", "step": 4}, devices=4)
     [r] = _restored(cfg, 1)
     assert (r["step"], r["tier"], r["mismatches"]) == (4, "durable", []), r
+
+
+@pytest.mark.long
+def test_fallback_takes_every_process_to_the_same_step(tmp_path: Path) -> None:
+    # Steps 2, 4, 6 saved, every second one drained: step 6 is in the processes' folders
+    # only. Process 1's copy of step 6 is damaged: alone, it would fall back to step 4 while
+    # process 0 restores 6. Together, both restore step 4, and process 0 drops its step 6
+    # (the job saves it again).
+    cfg = _config(tmp_path, steps=6, durable_every=2)
+    _launch({**cfg, "mode": "save"})
+    state = item_dir(cfg["dirs"][1], 6)
+    chunks = [
+        p for p in state.glob("cocijax-stripe-*/**/*") if p.is_file() and p.name != "zarr.json"
+    ]
+    assert chunks, state
+    for chunk in chunks:
+        chunk.write_bytes(bytes(b ^ 0xFF for b in chunk.read_bytes()))
+
+    _launch({**cfg, "mode": "restore", "fallback": True})
+    restores = _records(cfg, "restore")
+    assert [(r["step"], r["tier"]) for r in restores] == [(4, "local")] * 2, restores
+    for r in restores:
+        assert r["mismatches"] == [] and r["shards"] > 0, r
+    assert not (Path(cfg["dirs"][0]) / "6").exists()
 
 
 def test_a_process_killed_mid_save_leaves_no_piece_of_its_step(tmp_path: Path) -> None:
