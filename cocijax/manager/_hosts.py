@@ -27,8 +27,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from cocijax.manager._gc import quarantine
-from cocijax.manager._tier_layout import scan
-from cocijax.manager._tier_lease import LeaseError
 
 if TYPE_CHECKING:
     from cocijax.manager._checkpoint_manager import CheckpointManager
@@ -256,18 +254,8 @@ def drop_unagreed(mngr: CheckpointManager, agreed: set[int]) -> None:
         mngr._hidden.discard(step)
     if stale:
         mngr.orbax.reload()
-    durable = mngr._durable
-    if durable is None or not durable.options.committer:
-        return
-    try:
-        unfinished = [s for s in scan(durable.root)[1] if s > after]
-        if unfinished:
-            durable._lease.acquire(0)
-        for step in unfinished:
-            log.info("%s: removing the uncommitted parts of step %d", durable.url, step)
-            (durable.root / str(step)).delete_all()
-    except (ValueError, OSError, LeaseError) as e:  # the tier's next collection tries again
-        log.warning("%s: cannot remove uncommitted steps yet (%s)", durable.url, e)
+    if mngr._durable is not None:
+        mngr._durable.remove_unfinished(after)
 
 
 def agree_memory(mngr: CheckpointManager, timeout_s: float) -> set[int]:

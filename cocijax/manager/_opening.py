@@ -211,7 +211,8 @@ def check_arguments(
         process=jax.process_index() if several else None,
         processes=jax.process_count(),
     )
-    check_locations(path, manager_roots, None if tier is None else tier.root)
+    memory_root = None if memory_options is None else memory_options.root
+    check_locations(path, manager_roots, None if tier is None else tier.root, memory_root)
     if not orbax_options.read_only:
         # Before the directory is opened: its identity is read from and written to each root.
         check_roots_writable(manager_roots, timeout_s)

@@ -430,6 +430,27 @@ class DurableTier:
             for step in committed[: -max(self.options.max_to_keep, 1)]:
                 self.delete(step)
 
+    def remove_unfinished(self, after: int) -> None:
+        """Removes the objects of the steps newer than ``after`` that were never committed (the
+        drains of a host-local job that some process never finished), as the committer.
+
+        Call at opening, once every process agreed that the job resumes at step ``after``: no
+        process drains such a step again before the job saves it again. A failure (the store,
+        or another writer's lease) is logged, not raised: the drain of that step number keeps
+        only this run's parts (see ``_tier_drain``).
+        """
+        if not self.options.committer:
+            return
+        try:
+            unfinished = [s for s in scan(self.root)[1] if s > after]
+            if unfinished:
+                self._lease.acquire(0)
+            for step in unfinished:
+                log.info("%s: removing the uncommitted parts of step %d", self.url, step)
+                (self.root / str(step)).delete_all()
+        except (ValueError, OSError, LeaseError) as e:
+            log.warning("%s: cannot remove uncommitted steps yet (%s)", self.url, e)
+
     def delete(self, step: int) -> None:
         """Deletes a durable step: its manifest first, so it is never listed without its data.
 
