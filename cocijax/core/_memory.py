@@ -26,6 +26,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -262,10 +263,12 @@ def check_budget(path: Path, options: MemoryOptions, nbytes: int, *, stacklevel:
     return False
 
 
-def older_slots(committed: list[int]) -> list[int]:
+def older_slots(committed: list[int], keep: Collection[int] = ()) -> list[int]:
     """The committed memory steps (oldest first) to delete before a new memory save starts:
-    all but the newest, which stays until the new one commits (two slots)."""
-    return committed[:-1]
+    all but the newest, which stays until the new one commits (two slots), and but ``keep``:
+    persisted steps whose disk copy has not committed, which would otherwise be lost (they
+    stay beyond the budget until it commits; a full tmpfs then fails the memory save)."""
+    return [step for step in committed[:-1] if step not in keep]
 
 
 def _same(a: Path, b: Path) -> bool:

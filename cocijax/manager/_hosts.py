@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +214,13 @@ def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
     the durable tier drains the newest agreed local step if it lacks it (every process its own
     shards); nothing is drained before they agree."""
     if mngr._durable is not None:
+        # Process 0's name for this run of the job names every process's manifest parts.
+        runs = exchange(
+            f"agreeing on the run of {mngr._durable.url}",
+            uuid.uuid4().hex[:16],
+            timeout_s=timeout_s,
+        )
+        mngr._durable.share_run(runs[0])
         mngr._durable.open(None)
     agreed = agree_listed(mngr, timeout_s, refresh=False)
     drop_unagreed(mngr, agreed)

@@ -47,6 +47,7 @@ from cocijax.manager._directory import (
     is_committed,
     merge_options,
 )
+from cocijax.manager._disk_copy import PENDING_PREFIX
 from cocijax.manager._faults import naming, wait
 
 __all__ = ["MemoryTier"]
@@ -133,6 +134,11 @@ class MemoryTier:
                 self._committed.add(step)
         return [s for s in steps if s in self._committed]
 
+    def to_disk(self) -> set[int]:
+        """The persisted steps whose disk copy has not committed (``_disk_copy``'s markers)."""
+        names = [p.name[len(PENDING_PREFIX) :] for p in self.path.glob(f"{PENDING_PREFIX}*")]
+        return {int(n) for n in names if n.isdigit()}
+
     def listed(self) -> list[int]:
         """The committed steps in memory the job restores from memory, oldest first: with
         several processes, those every process holds (as last agreed)."""
@@ -167,7 +173,9 @@ class MemoryTier:
             # before; it is saved anew.
             self.orbax.delete(step)
             committed.remove(step)
-        for old in older_slots(committed):  # the newest stays until this one commits
+        # The newest stays until this one commits; a persisted step not yet on the disk stays
+        # until its copy commits (_disk_copy).
+        for old in older_slots(committed, keep=self.to_disk()):
             self.orbax.delete(old)  # renamed into the trash: unlisted at once
             self._committed.discard(old)
         self._empty_trash(room_for=nbytes)

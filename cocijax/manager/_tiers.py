@@ -97,6 +97,7 @@ class DurableTier:
         self._errors: list[DurableTierError] = []
         self._progress_at = time.monotonic()  # the drain's last sign of life
         self._abandoned = False  # close() gave up on the drain: it must commit nothing
+        self.run = ""  # host-local: the job's run, which names each manifest part (share_run)
         self.skipped: list[int] = []
         self.drain_s = math.nan
         self._closed = False
@@ -132,6 +133,13 @@ class DurableTier:
                 "%s: step %d is not on the durable tier yet: draining it", self.url, local_newest
             )
             self.offer(local_newest, force=True)
+
+    def share_run(self, run: str) -> None:
+        """Host-local: takes the job's run, one name every process agreed on at opening. Each
+        process's manifest part of a step is named by it, so process 0 commits a step from
+        this run's parts only, never with a part an earlier run of the job left there (its
+        process 0 killed before the commit, the leftovers not removed: see ``_tier_drain``)."""
+        self.run = run
 
     def _list_at_open(self, local_newest: int | None) -> list[int]:
         timeout = self.options.timeout_s
