@@ -39,6 +39,7 @@ from cocijax.core._memory import (
     check_owner,
     lock_folder,
     older_slots,
+    remove_stale,
 )
 from cocijax.core._session import run_all
 from cocijax.manager._directory import (
@@ -67,6 +68,10 @@ class MemoryTier:
         handlers, data inside the step directories).
       read_only: a reader: nothing is locked, cleaned or written.
       enable_async: Orbax's ``enable_async_checkpointing``.
+      epoch: the directory's identity epoch, as this writer's opening bumped it, and
+        ``newest_on_disk`` the directory's newest step: when another writer opened the
+        directory since this folder's last, the snapshots not newer than that step are removed
+        (``check_owner``, ``remove_stale``).
 
     Raises:
       DirectoryLockedError: another manager writes to this memory folder.
@@ -82,6 +87,8 @@ class MemoryTier:
         make_manager: Callable[[Path, ocp.CheckpointManagerOptions], ocp.CheckpointManager],
         read_only: bool,
         enable_async: bool,
+        epoch: int | None = None,
+        newest_on_disk: int | None = None,
     ):
         self.options = options
         self.path = options.root / namespace
@@ -98,7 +105,8 @@ class MemoryTier:
         if not read_only:
             self._lock = lock_folder(self.path)
             try:
-                check_owner(self.path, directory)
+                if not check_owner(self.path, directory, epoch):
+                    remove_stale(self.path, newest_on_disk)
             except BaseException:
                 self.close()
                 raise
