@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
+import shutil
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,10 @@ __all__ = [
     "lock_folder",
     "mount_of",
     "older_slots",
+    "remove_stale",
 ]
+
+log = logging.getLogger(__name__)
 
 # The directory whose snapshots a memory folder holds (see check_owner).
 _OWNER_FILE = ".cocijax-owner"
@@ -197,30 +203,68 @@ def lock_folder(path: Path) -> DirectoryLock:
     return lock
 
 
-def check_owner(path: Path, directory: Path) -> None:
-    """Records ``directory`` as the owner of the memory folder ``path``, unless another existing
-    directory is: a copy of a directory (the same identity, another place) must not take the
-    original's snapshots for its own. A moved directory (the recorded owner is gone) takes its
-    folder over.
+def check_owner(path: Path, directory: Path, epoch: int | None) -> bool:
+    """Records ``directory``, at the opening of ``epoch``, as the owner of the memory folder
+    ``path``, unless another existing directory is: a copy of a directory (the same identity,
+    another place) must not take the original's snapshots for its own. A moved directory (the
+    recorded owner is gone) takes its folder over.
+
+    Args:
+      path: the job's memory folder.
+      directory: the checkpoint directory.
+      epoch: the directory's identity epoch, as bumped by this opening (a writer's; None:
+        unknown, the snapshots are taken as current).
+
+    Returns:
+      Whether the folder's snapshots are current: no writer opened the directory since the
+      one that last used this folder (its recorded epoch is the one before ``epoch``, or
+      unknown). Otherwise a run without this memory tier may have resumed from an older step
+      and saved the snapshots' step numbers again (see :func:`remove_stale`).
 
     Raises:
       ValueError: the owner is another directory with this one's identity (a copy).
     """
     record = path / _OWNER_FILE
     try:
-        owner = Path(json.loads(record.read_bytes())["directory"])
+        data = json.loads(record.read_bytes())
+        owner, last = Path(data["directory"]), data.get("epoch")
     except (OSError, ValueError, KeyError, TypeError):
-        owner = None
+        owner, last = None, None
     if owner is not None and owner.exists() and not _same(owner, directory):
         raise ValueError(
             f"memory: the memory folder {path} holds the snapshots of {owner}, whose "
             f"identity {directory} shares (a copy of it, made with cp -r or a volume "
             "snapshot): they are not this directory's steps. Give it another memory= folder."
         )
-    if owner is None or not _same(owner, directory):
-        tmp = record.with_name(_OWNER_FILE + ".tmp")
-        tmp.write_text(json.dumps({"directory": str(directory)}))
-        os.replace(tmp, record)
+    tmp = record.with_name(_OWNER_FILE + ".tmp")
+    tmp.write_text(json.dumps({"directory": str(directory), "epoch": epoch}))
+    os.replace(tmp, record)
+    return epoch is None or not isinstance(last, int) or last == epoch - 1
+
+
+def remove_stale(path: Path, newest_on_disk: int | None) -> None:
+    """Removes the snapshots of the memory folder ``path`` that another writer may have saved
+    again since (call when :func:`check_owner` says they are not current): those not newer
+    than the newest step on the disk, ``newest_on_disk``. A newer one is the only save of its
+    step number, whatever opened the directory in between (an opening that failed, a run that
+    saved nothing): it stays.
+    """
+    if newest_on_disk is None:
+        return
+    stale = sorted(
+        int(p.name) for p in path.iterdir() if p.name.isdigit() and int(p.name) <= newest_on_disk
+    )
+    if stale:
+        log.warning(
+            "%s: removing the memory snapshots of step(s) %s: the checkpoint directory was "
+            "opened without this memory tier since they were saved, and holds step %d: that run "
+            "may have saved these step numbers again, and the disk's copies are the ones to read",
+            path,
+            stale,
+            newest_on_disk,
+        )
+    for step in stale:
+        shutil.rmtree(path / str(step), ignore_errors=True)
 
 
 def check_budget(path: Path, options: MemoryOptions, nbytes: int, *, stacklevel: int) -> bool:
@@ -262,10 +306,12 @@ def check_budget(path: Path, options: MemoryOptions, nbytes: int, *, stacklevel:
     return False
 
 
-def older_slots(committed: list[int]) -> list[int]:
+def older_slots(committed: list[int], keep: Collection[int] = ()) -> list[int]:
     """The committed memory steps (oldest first) to delete before a new memory save starts:
-    all but the newest, which stays until the new one commits (two slots)."""
-    return committed[:-1]
+    all but the newest, which stays until the new one commits (two slots), and but ``keep``:
+    persisted steps whose disk copy has not committed, which would otherwise be lost (they
+    stay beyond the budget until it commits; a full tmpfs then fails the memory save)."""
+    return [step for step in committed[:-1] if step not in keep]
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -50,6 +50,8 @@ def check_compilation_cache(value: Any, directory: Path) -> Path | None:
 
     Raises:
       TypeError: ``value`` is neither a bool, None, nor a path.
+      ValueError: the folder is the directory or lies inside it (other than ``True``'s): JAX's
+        files there are not steps, and the directory's next opening would refuse it.
     """
     if value is None or value is False:
         return None
@@ -59,7 +61,16 @@ def check_compilation_cache(value: Any, directory: Path) -> Path | None:
         raise TypeError(
             f"compilation_cache: expected True, a folder (str or path) or None, got {value!r}."
         )
-    return Path(value).expanduser().absolute()
+    folder = Path(value).expanduser().absolute()
+    real, home = folder.resolve(), directory.resolve()
+    if (real == home or home in real.parents) and real != home / CACHE_DIR:
+        raise ValueError(
+            f"compilation_cache={str(value)!r}: is the checkpoint directory {directory} or "
+            "lies inside it; JAX's cache files there are not steps, and the directory's next "
+            "opening would refuse it. Pass compilation_cache=True (a hidden folder of the "
+            "directory), or a folder outside it."
+        )
+    return folder
 
 
 def use_compilation_cache(folder: Path) -> None:

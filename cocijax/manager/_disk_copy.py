@@ -15,6 +15,10 @@ leaves the memory copy (restorable) and the marker: the next opening copies the 
 temporary folder is garbage). The copy only reads the memory step, so a failed copy (a full
 disk, a root failing) leaves it intact; its error is raised by the manager's next wait.
 
+**Kept until copied.** A persisted step whose copy failed stays in the memory tier (beyond its
+two slots) until its copy commits: the copy of the next persisted step copies it first, and an
+opening copies what is left.
+
 **One at a time.** The manager waits for the copy in flight before it starts another one, and
 before a memory save that would delete the step being copied (the memory tier's two slots);
 that wait is billed to the save that waits (see ``_saving.write_step``).
@@ -208,6 +212,12 @@ class DiskCopy:
     def _run(self, step: int) -> None:
         try:
             if self._wait_for_memory_commit(step):
+                # First the older persisted steps whose copy failed (kept in memory for it).
+                for older in [s for s in self.pending() if s < step]:
+                    if is_committed(self._memory / str(older)):
+                        self._copy(older)
+                        with self._cond:
+                            self._committed.append(older)
                 self._copy(step)
                 with self._cond:
                     self._committed.append(step)

@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,6 @@ import orbax.checkpoint as ocp
 
 from cocijax.manager._cross_read import record_folder
 from cocijax.manager._gc import quarantine
-from cocijax.manager._tier_layout import scan
-from cocijax.manager._tier_lease import LeaseError
 
 if TYPE_CHECKING:
     from cocijax.manager._checkpoint_manager import CheckpointManager
@@ -217,6 +216,13 @@ def agree_at_open(mngr: CheckpointManager, timeout_s: float) -> None:
     shards); nothing is drained before they agree. Each writer records its folder in the
     durable tier, for a job on another topology to read its copies (``_cross_read``)."""
     if mngr._durable is not None:
+        # Process 0's name for this run of the job names every process's manifest parts.
+        runs = exchange(
+            f"agreeing on the run of {mngr._durable.url}",
+            uuid.uuid4().hex[:16],
+            timeout_s=timeout_s,
+        )
+        mngr._durable.share_run(runs[0])
         mngr._durable.open(None)
         if not mngr._read_only:
             record_folder(mngr)
@@ -261,18 +267,8 @@ def drop_unagreed(mngr: CheckpointManager, agreed: set[int], *, durable: bool = 
         mngr._hidden.discard(step)
     if stale:
         mngr.orbax.reload()
-    tier = mngr._durable
-    if not durable or tier is None or not tier.options.committer:
-        return
-    try:
-        unfinished = [s for s in scan(tier.root)[1] if s > after]
-        if unfinished:
-            tier._lease.acquire(0)
-        for step in unfinished:
-            log.info("%s: removing the uncommitted parts of step %d", tier.url, step)
-            (tier.root / str(step)).delete_all()
-    except (ValueError, OSError, LeaseError) as e:  # the tier's next collection tries again
-        log.warning("%s: cannot remove uncommitted steps yet (%s)", tier.url, e)
+    if durable and mngr._durable is not None:
+        mngr._durable.remove_unfinished(after)
 
 
 def agree_memory(mngr: CheckpointManager, timeout_s: float) -> set[int]:

@@ -164,14 +164,20 @@ def check_locations(
     directory: Path,
     roots: Sequence[Path | storage.KvPath],
     durable: storage.KvPath | None,
+    memory: Path | None = None,
 ) -> None:
-    """Refuses a directory, roots and durable tier that overlap in a way that loses data.
+    """Refuses a directory, roots, durable tier and memory tier that overlap in a way that
+    loses data.
 
     * The durable tier may not be the directory, lie inside it or contain it: its drains and
       its garbage collection would take the directory's steps for their own leftovers.
     * A root may be the directory itself (its stripes then go into a hidden folder of it),
       but may not lie inside it (the next opening would find a folder cocijax did not write).
     * The durable tier may not be a root, lie inside one or contain one.
+    * The memory tier's folder may not be a root or the durable tier, lie inside one or
+      contain one: its job folder would be the directory's stripe folder on that root (the
+      same namespace), and each would take the other's data for leftovers and remove it.
+      (The directory itself is ``cocijax.core._memory.check_memory``'s.)
 
     Raises:
       ValueError: naming both locations and what to do.
@@ -197,6 +203,17 @@ def check_locations(
             raise ValueError(
                 f"durable={durable}: overlaps roots[{i}]={root}. The durable tier must be "
                 "storage of its own, apart from the roots the steps are striped over."
+            )
+    if memory is None:
+        return
+    home = memory.resolve()
+    for name, where in [(f"roots[{i}]", r) for i, r in enumerate(roots)] + [("durable", durable)]:
+        if where is not None and _overlap(home, _resolved(where)):
+            raise ValueError(
+                f"memory={str(memory)!r}: overlaps {name}={where} (the same folder, or one "
+                "inside the other). The memory tier keeps this job's snapshots in a folder "
+                "named as the directory's stripe folder on each root, and removes from it "
+                "what is not a snapshot: give it a tmpfs folder of its own (e.g. memory=True)."
             )
 
 

@@ -39,6 +39,7 @@ from cocijax.core._memory import (
     check_owner,
     lock_folder,
     older_slots,
+    remove_stale,
 )
 from cocijax.core._session import run_all
 from cocijax.manager._directory import (
@@ -47,6 +48,7 @@ from cocijax.manager._directory import (
     is_committed,
     merge_options,
 )
+from cocijax.manager._disk_copy import PENDING_PREFIX
 from cocijax.manager._faults import naming, wait
 
 __all__ = ["MemoryTier"]
@@ -66,6 +68,10 @@ class MemoryTier:
         handlers, data inside the step directories).
       read_only: a reader: nothing is locked, cleaned or written.
       enable_async: Orbax's ``enable_async_checkpointing``.
+      epoch: the directory's identity epoch, as this writer's opening bumped it, and
+        ``newest_on_disk`` the directory's newest step: when another writer opened the
+        directory since this folder's last, the snapshots not newer than that step are removed
+        (``check_owner``, ``remove_stale``).
 
     Raises:
       DirectoryLockedError: another manager writes to this memory folder.
@@ -81,6 +87,8 @@ class MemoryTier:
         make_manager: Callable[[Path, ocp.CheckpointManagerOptions], ocp.CheckpointManager],
         read_only: bool,
         enable_async: bool,
+        epoch: int | None = None,
+        newest_on_disk: int | None = None,
     ):
         self.options = options
         self.path = options.root / namespace
@@ -97,7 +105,8 @@ class MemoryTier:
         if not read_only:
             self._lock = lock_folder(self.path)
             try:
-                check_owner(self.path, directory)
+                if not check_owner(self.path, directory, epoch):
+                    remove_stale(self.path, newest_on_disk)
             except BaseException:
                 self.close()
                 raise
@@ -133,6 +142,11 @@ class MemoryTier:
                 self._committed.add(step)
         return [s for s in steps if s in self._committed]
 
+    def to_disk(self) -> set[int]:
+        """The persisted steps whose disk copy has not committed (``_disk_copy``'s markers)."""
+        names = [p.name[len(PENDING_PREFIX) :] for p in self.path.glob(f"{PENDING_PREFIX}*")]
+        return {int(n) for n in names if n.isdigit()}
+
     def listed(self) -> list[int]:
         """The committed steps in memory the job restores from memory, oldest first: with
         several processes, those every process holds (as last agreed)."""
@@ -167,7 +181,9 @@ class MemoryTier:
             # before; it is saved anew.
             self.orbax.delete(step)
             committed.remove(step)
-        for old in older_slots(committed):  # the newest stays until this one commits
+        # The newest stays until this one commits; a persisted step not yet on the disk stays
+        # until its copy commits (_disk_copy).
+        for old in older_slots(committed, keep=self.to_disk()):
             self.orbax.delete(old)  # renamed into the trash: unlisted at once
             self._committed.discard(old)
         self._empty_trash(room_for=nbytes)

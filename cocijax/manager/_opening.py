@@ -211,7 +211,8 @@ def check_arguments(
         process=jax.process_index() if several else None,
         processes=jax.process_count(),
     )
-    check_locations(path, manager_roots, None if tier is None else tier.root)
+    memory_root = None if memory_options is None else memory_options.root
+    check_locations(path, manager_roots, None if tier is None else tier.root, memory_root)
     if not orbax_options.read_only:
         # Before the directory is opened: its identity is read from and written to each root.
         check_roots_writable(manager_roots, timeout_s)
@@ -347,11 +348,12 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
             mngr._directory,
             sorted(mngr._orbax_steps),
         )
-    namespace = _namespace(mngr)
+    namespace, epoch = _namespace(mngr)
     if namespace is not None:
         mngr._stripe_roots = tuple(root / namespace for root in mngr._roots)
         if opening.memory is not None:
-            mngr._memory = _open_memory(opening, namespace, mngr._directory)
+            newest = max(mngr._committed | set(mngr._orbax_steps), default=None)
+            mngr._memory = _open_memory(opening, namespace, mngr._directory, epoch, newest)
     # Only the primary writer marks the directory; every process reads the history saved
     # with the checkpoints (process 0's measurements reach the policy anyway).
     writer = mngr._lock is not None
@@ -398,7 +400,9 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     mngr._latest_saved = latest
 
 
-def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTier:
+def _open_memory(
+    opening: Opening, namespace: str, directory: Path, epoch: int | None, newest: int | None
+) -> MemoryTier:
     """The memory tier, its Orbax manager built as the directory's (data in its steps)."""
 
     def make_manager(path: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
@@ -415,25 +419,28 @@ def _open_memory(opening: Opening, namespace: str, directory: Path) -> MemoryTie
         make_manager=make_manager,
         read_only=opening.options.read_only,
         enable_async=opening.options.enable_async_checkpointing,
+        epoch=epoch,
+        newest_on_disk=newest,
     )
 
 
-def _namespace(mngr: CheckpointManager) -> str | None:
-    """The name of this directory's folder on each root (None for a reader without one).
+def _namespace(mngr: CheckpointManager) -> tuple[str | None, int | None]:
+    """The name of this directory's folder on each root (None for a reader without one), and
+    the epoch of this opening (the primary writer's; None elsewhere).
 
     The primary writer reads or makes the directory's identity (``_identity``); the other
     processes of a job take it from the primary, which holds the lock meanwhile.
     """
+    namespace, epoch = None, None
     if mngr._lock is not None:
-        namespace = open_identity(mngr._directory, mngr._roots).namespace
+        identity = open_identity(mngr._directory, mngr._roots)
+        namespace, epoch = identity.namespace, identity.epoch
     elif mngr._read_only:
         identity = read_identity(mngr._directory)
         namespace = None if identity is None else identity.namespace
-    else:
-        namespace = None
     if jax.process_count() > 1 and not mngr._read_only and not mngr._host_local:
         namespace = from_primary(namespace, is_source=mngr._primary)
-    return namespace
+    return namespace, epoch
 
 
 def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -> None:

@@ -8,7 +8,9 @@ failed drain removes what it wrote at once.
 
 Host-local processes (``DurableOptions.process`` set) each copy their own pieces and write their
 manifest part (``cocijax_manifest.part-<process>.json``); process 0 also copies the step's other
-files, waits for every part and commits the manifest merged from them (``_parts.merge``).
+files, waits for every part and commits the manifest merged from them (``_parts.merge``). A
+part is named by the job's run (:func:`part_name`), so an earlier run's part of the same step
+number (its process 0 killed before the commit) is never merged into this run's step.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
 if TYPE_CHECKING:
     from cocijax.manager._tiers import DurableTier
 
-__all__ = ["AlreadyCommitted", "clean_failed", "drain_step"]
+__all__ = ["AlreadyCommitted", "clean_failed", "drain_step", "part_name"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def drain_step(tier: DurableTier, step: int) -> None:
     )
     if host is not None:
         # Host-local: this process's part; process 0 commits once every part is there.
-        (dest / STATE_ITEM / _parts.part_path("", host).name).write_bytes(
+        (dest / STATE_ITEM / part_name(host, tier.run)).write_bytes(
             _codec.encode_part(manifest, str(dest / STATE_ITEM))
         )
         tier._touch()
@@ -120,6 +122,16 @@ def drain_step(tier: DurableTier, step: int) -> None:
     )
 
 
+def part_name(process: int, run: str) -> str:
+    """The name of ``process``'s manifest part of a step drained in the job's ``run``.
+
+    Named by the run: a step number saved again after a restart (the job resumed before it)
+    may find an earlier run's part of another process still on the tier, which holds that
+    run's shards, not this one's; process 0 must wait for this run's part instead.
+    """
+    return f"{_parts.PART_PREFIX}{process}-{run}.json"
+
+
 def _other_files(source: Path) -> dict[str, bytes]:
     """The files of the local step ``source`` besides the state's pieces and manifest (which
     ``copy_item`` copies, the manifest last), by path relative to it."""
@@ -146,7 +158,7 @@ def _merged_parts(tier: DurableTier, step: int, state: storage.KvPath) -> storag
         the drain was abandoned.
     """
     processes = tier.options.processes
-    names = {q: _parts.part_path("", q).name for q in range(processes)}
+    names = {q: part_name(q, tier.run) for q in range(processes)}
     timeout = (tier.options.timeout_s or 60.0) / 2
     have: dict[int, bytes] = {}
     deadline = time.monotonic() + timeout

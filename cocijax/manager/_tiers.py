@@ -97,6 +97,7 @@ class DurableTier:
         self._errors: list[DurableTierError] = []
         self._progress_at = time.monotonic()  # the drain's last sign of life
         self._abandoned = False  # close() gave up on the drain: it must commit nothing
+        self.run = ""  # host-local: the job's run, which names each manifest part (share_run)
         self.skipped: list[int] = []
         self.drain_s = math.nan
         self._closed = False
@@ -132,6 +133,13 @@ class DurableTier:
                 "%s: step %d is not on the durable tier yet: draining it", self.url, local_newest
             )
             self.offer(local_newest, force=True)
+
+    def share_run(self, run: str) -> None:
+        """Host-local: takes the job's run, one name every process agreed on at opening. Each
+        process's manifest part of a step is named by it, so process 0 commits a step from
+        this run's parts only, never with a part an earlier run of the job left there (its
+        process 0 killed before the commit, the leftovers not removed: see ``_tier_drain``)."""
+        self.run = run
 
     def _list_at_open(self, local_newest: int | None) -> list[int]:
         timeout = self.options.timeout_s
@@ -429,6 +437,27 @@ class DurableTier:
         if self.options.max_to_keep is not None:
             for step in committed[: -max(self.options.max_to_keep, 1)]:
                 self.delete(step)
+
+    def remove_unfinished(self, after: int) -> None:
+        """Removes the objects of the steps newer than ``after`` that were never committed (the
+        drains of a host-local job that some process never finished), as the committer.
+
+        Call at opening, once every process agreed that the job resumes at step ``after``: no
+        process drains such a step again before the job saves it again. A failure (the store,
+        or another writer's lease) is logged, not raised: the drain of that step number keeps
+        only this run's parts (see ``_tier_drain``).
+        """
+        if not self.options.committer:
+            return
+        try:
+            unfinished = [s for s in scan(self.root)[1] if s > after]
+            if unfinished:
+                self._lease.acquire(0)
+            for step in unfinished:
+                log.info("%s: removing the uncommitted parts of step %d", self.url, step)
+                (self.root / str(step)).delete_all()
+        except (ValueError, OSError, LeaseError) as e:
+            log.warning("%s: cannot remove uncommitted steps yet (%s)", self.url, e)
 
     def delete(self, step: int) -> None:
         """Deletes a durable step: its manifest first, so it is never listed without its data.

@@ -273,9 +273,17 @@ class CheckpointManager:
         self._dir_lock.acquire()
         remove_uncommitted(self._dir)
         steps = scan_steps(self._dir)
+        # Every writer's opening counts (the epoch): a memory tier's snapshots saved before an
+        # opening without it are not restored (check_owner).
+        identity = bump_identity(self._dir)
         if memory is not None:  # one rank: this is the only process
-            namespace = bump_identity(self._dir).namespace
-            self._memory = MemoryTier(memory, namespace, directory=self._dir.absolute())
+            self._memory = MemoryTier(
+                memory,
+                identity.namespace,
+                directory=self._dir.absolute(),
+                epoch=identity.epoch,
+                newest_on_disk=max(steps, default=None),
+            )
         newest = max([*steps, *self.memory_steps()], default=None)
         latest = None if newest is None else read_metadata(self._step_dir(newest).parent, newest)
         # Names this run's temporary directories, the same on every rank.

@@ -24,7 +24,13 @@ from pathlib import Path
 
 from cocijax._files import fsync_dir, fsync_file
 from cocijax.core._history import MARKER
-from cocijax.core._memory import MemoryOptions, check_budget, check_owner, lock_folder
+from cocijax.core._memory import (
+    MemoryOptions,
+    check_budget,
+    check_owner,
+    lock_folder,
+    remove_stale,
+)
 from cocijax.core._session import run_all
 from cocijax.torch._directory import (
     METADATA_NAME,
@@ -48,6 +54,9 @@ class MemoryTier:
       options: the checked ``memory`` arguments.
       namespace: the checkpoint directory's namespace (``Identity.namespace``).
       directory: the checkpoint directory, recorded as the folder's owner.
+      epoch: the directory's identity epoch, as this opening bumped it, and ``newest_on_disk``
+        the directory's newest step: when another writer opened the directory since this
+        folder's last, the snapshots not newer than that step are removed (``check_owner``).
 
     Attributes:
       path: the job's folder.
@@ -60,7 +69,15 @@ class MemoryTier:
       ValueError: the folder belongs to another directory that shares this one's identity.
     """
 
-    def __init__(self, options: MemoryOptions, namespace: str, *, directory: Path):
+    def __init__(
+        self,
+        options: MemoryOptions,
+        namespace: str,
+        *,
+        directory: Path,
+        epoch: int,
+        newest_on_disk: int | None,
+    ):
         self.options = options
         self.path = options.root / namespace
         self.marker = self.path / MARKER
@@ -68,7 +85,8 @@ class MemoryTier:
         self._fits_checked = False
         self._lock = lock_folder(self.path)
         try:
-            check_owner(self.path, directory)
+            if not check_owner(self.path, directory, epoch):
+                remove_stale(self.path, newest_on_disk)
             remove_uncommitted(self.path)  # a killed save's temporary directory, the trash
             _remove_torn(self.path)
             self.steps = scan_steps(self.path)

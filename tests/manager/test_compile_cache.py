@@ -121,3 +121,11 @@ def test_a_compilation_cache_of_the_wrong_type_is_refused_before_anything_is_mad
     with pytest.raises(TypeError, match="compilation_cache: expected True, a folder"):
         cj.CheckpointManager(tmp_path / "ckpt", compilation_cache=3)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("inside", [".", "xla"])
+def test_a_cache_folder_that_is_the_directory_or_inside_it_is_refused(tmp_path, inside):
+    # Found by the dataloss review: JAX's files there made the directory's next opening refuse
+    # it ("not written by cocijax"), so the job could not restart from its steps.
+    with pytest.raises(ValueError, match=r"compilation_cache=.* lies inside it.*=True"):
+        cj.CheckpointManager(tmp_path / "ckpt", compilation_cache=tmp_path / "ckpt" / inside)

@@ -172,9 +172,41 @@ def test_a_failed_copy_is_raised_and_leaves_the_memory_copy_intact(tmp_path, mem
         mngr.close()
     monkeypatch.setattr(_disk_copy.storage, "copy_item", real)
     with cj.CheckpointManager(directory, policy=cj.policies.fixed(1), memory=memory) as mngr:
-        # The opening copies the persisted steps still in memory: nothing lost.
-        assert mngr._local_steps() == [2, 4]  # (step 1 left memory's two slots)
+        # The opening copies the persisted steps still in memory: nothing lost. (Found by the
+        # dataloss review: step 1, whose copy had failed, left memory's two slots at step 4's
+        # save and was lost; a persisted step now stays in memory until its copy commits.)
+        assert mngr._local_steps() == [1, 2, 4]  # step 3's save raised: not saved
+        check_restores(mngr, 1, "local")
         check_restores(mngr, 4, "local")
+
+
+def test_a_persisted_step_whose_copy_failed_stays_in_memory_until_the_next_copy(
+    tmp_path, memory, monkeypatch
+):
+    # Found by the dataloss review: level-1 saves after a failed copy deleted the persisted
+    # step from memory (the two slots), so it was on no tier at all.
+    real = _disk_copy.storage.copy_item
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with cj.CheckpointManager(tmp_path / "ckpt", policy=two_level(), memory=memory) as mngr:
+        monkeypatch.setattr(_disk_copy.storage, "copy_item", disk_full)
+        mngr.save(4, state_at(4), loss=1.0)  # level 2: its copy fails
+        with pytest.raises(OSError, match="No space left"):
+            mngr.wait_until_finished()
+        monkeypatch.setattr(_disk_copy.storage, "copy_item", real)  # the disk is freed
+        for step in (5, 6, 7):  # level 1: memory only
+            mngr.save(step, state_at(step), loss=1.0)
+        mngr.wait_until_finished()
+        assert mngr.memory_steps() == [4, 6, 7]  # step 4 kept beyond the two slots
+        mngr.save(8, state_at(8), loss=1.0)  # level 2: its copy copies step 4 first
+        mngr.wait_until_finished()
+        assert mngr._local_steps() == [4, 8]
+        check_restores(mngr, 4, "local")
+        mngr.save(9, state_at(9), loss=1.0)
+        mngr.wait_until_finished()
+        assert mngr.memory_steps() == [8, 9]  # copied: back to two slots
 
 
 def test_a_stalled_copy_is_bounded_and_said(tmp_path, memory, held):

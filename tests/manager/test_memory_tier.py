@@ -247,6 +247,30 @@ def test_a_memory_folder_inside_the_directory_is_refused(tmp_path):
         cj.CheckpointManager(tmp_path / "ckpt", memory=tmp_path / "ckpt" / "mem")
 
 
+@pytest.mark.parametrize(
+    ("memory_at", "root_at", "durable_at", "named"),
+    [
+        # Found by the dataloss review: the memory tier's job folder was the root's stripe
+        # folder, and its next opening removed the stripes of the disk's steps as leftovers.
+        ("shared", "shared", None, r"roots\[0\]"),
+        ("shared", "shared/inner", None, r"roots\[0\]"),
+        ("shared", None, "shared", "durable"),
+        ("shared/inner", None, "shared", "durable"),
+    ],
+    ids=["root", "root-inside", "durable", "inside-durable"],
+)
+def test_a_memory_folder_overlapping_a_root_or_the_durable_tier_is_refused(
+    tmp_path, memory, memory_at, root_at, durable_at, named
+):
+    kwargs = {"memory": memory / memory_at}
+    if root_at is not None:
+        kwargs["roots"] = [memory / root_at]
+    if durable_at is not None:
+        kwargs["durable"] = memory / durable_at
+    with pytest.raises(ValueError, match=rf"memory=.*overlaps {named}=.*memory=True"):
+        cj.CheckpointManager(tmp_path / "ckpt", **kwargs)
+
+
 def test_a_state_that_does_not_fit_is_refused_at_the_first_save_naming_the_sizes(tmp_path, memory):
     with cj.CheckpointManager(
         tmp_path / "ckpt", policy=cj.policies.fixed(1), memory=memory, memory_bytes=1000

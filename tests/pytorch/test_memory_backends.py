@@ -56,8 +56,8 @@ class JaxBackend:
     def open(self, directory, **kwargs):
         return cj.CheckpointManager(directory, **kwargs)
 
-    def save(self, mngr, step, **kwargs):
-        return mngr.save(step, {"w": values_at(step)}, loss=1.0, **kwargs)
+    def save(self, mngr, step, offset=0.0, **kwargs):
+        return mngr.save(step, {"w": values_at(step) + offset}, loss=1.0, **kwargs)
 
     def restore(self, mngr, step=None):
         return np.asarray(mngr.restore(step)["w"])
@@ -77,8 +77,9 @@ class TorchBackend:
     def open(self, directory, **kwargs):
         return cjt.CheckpointManager(directory, **kwargs)
 
-    def save(self, mngr, step, **kwargs):
-        return mngr.save(step, {"w": torch.from_numpy(values_at(step))}, loss=1.0, **kwargs)
+    def save(self, mngr, step, offset=0.0, **kwargs):
+        w = torch.from_numpy(values_at(step) + np.float32(offset))
+        return mngr.save(step, {"w": w}, loss=1.0, **kwargs)
 
     def restore(self, mngr, step=None):
         return mngr.restore(step, target={"w": torch.zeros(N)})["w"].numpy()
@@ -151,6 +152,42 @@ def test_restore_reads_memory_first_bit_exact_and_says_which(backend, tmp_path, 
         assert backend.save(mngr, 16)
         mngr.wait_until_finished()
         assert mngr.memory_steps() == [14, 16]
+
+
+def test_a_run_without_the_memory_tier_in_between_makes_its_snapshots_stale(
+    backend, tmp_path, memory
+):
+    # Found by the dataloss review: run 2, opened without memory=, resumed from the disk's
+    # step 12 and saved step 14 again (other values); run 3, with memory= again, restored
+    # run 1's memory snapshot of step 14 (memory first), not the step's bytes on the disk.
+    directory = tmp_path / "ckpt"
+    with backend.open(directory, policy=alternating(), memory=memory) as mngr:
+        train(backend, mngr, range(1, 15))
+        assert mngr.memory_steps() == [12, 14] and 14 not in backend.disk_steps(mngr)
+    with backend.open(directory, policy=cj.policies.fixed(2)) as mngr:
+        assert mngr.latest_step() == 12
+        for step in (13, 14):
+            backend.save(mngr, step, offset=1000.0)
+        mngr.wait_until_finished()
+    with backend.open(directory, policy=alternating(), memory=memory) as mngr:
+        assert backend.restore(mngr).tobytes() == (values_at(14) + 1000).tobytes()
+        assert (mngr.restored_step, mngr.restored_tier) == (14, "local")
+        assert mngr.memory_steps() == []  # removed: not this directory's steps any more
+
+
+def test_an_opening_in_between_that_saved_nothing_keeps_the_newer_snapshots(
+    backend, tmp_path, memory
+):
+    directory = tmp_path / "ckpt"
+    with backend.open(directory, policy=alternating(), memory=memory) as mngr:
+        train(backend, mngr, range(1, 15))
+    backend.open(directory, policy=alternating()).close()  # e.g. a run that failed at once
+    with backend.open(directory, policy=alternating(), memory=memory) as mngr:
+        # Step 14 is the only save of its number: kept; step 12's memory copy may not be.
+        assert mngr.memory_steps() == [14]
+        assert backend.restore(mngr).tobytes() == values_at(14).tobytes()
+        assert (mngr.restored_step, mngr.restored_tier) == (14, "memory")
+        assert backend.restore(mngr, 12).tobytes() == values_at(12).tobytes()
 
 
 def test_a_corrupt_memory_copy_falls_back_to_the_next_copy(backend, tmp_path, memory):
