@@ -5,7 +5,9 @@ all of them under the destination item itself, so the copy is self-contained: it
 records one root, ``None``, the item directory, wherever it is later found or moved (or, given
 ``dest_roots``, stripes them over those roots as a save does). Each piece file is read once, its
 members' checksums are verified (a damaged source is never copied), and its data is written
-through TensorStore, its ``zarr.json`` copied byte for byte before any data; at most
+out, its ``zarr.json`` copied byte for byte before any data: from one local directory to
+another, an uncompressed piece's chunk files are written byte for byte from the verified bytes
+(``_direct``, as a save writes them), anything else is re-encoded through TensorStore; at most
 ``memory_bytes`` of pieces are held at a time. The destination's manifest is written last,
 after one listing shows every object there (on a local destination, after every file and
 directory written is fsynced): on an object store, the item is committed when that object
@@ -32,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from cocijax import _files
-from cocijax.storage import _io, _kvpath, _manifest_io, _read, _tree, _write
+from cocijax.storage import _direct, _io, _kvpath, _manifest_io, _read, _tree, _write
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
     CheckpointFormatError,
@@ -187,7 +189,7 @@ def copy_item(
             root_options=source_options,
         )
         limit = asyncio.Semaphore(_files_at_once(manifest, reader, memory_bytes))
-        copier = _Copier(manifest, reader, bases, context, host_buffers, limit, progress)
+        copier = _Copier(manifest, reader, bases, context, host_buffers, limit, progress, io_pool)
         _check_unique(manifest)
         copied = _io.run_sync(copier.run())
         _sync_local(bases, [file for file, _, _ in copied], io_pool)
@@ -212,6 +214,8 @@ class _Copier:
       buffers: where host buffers of whole pieces come from and go back to.
       limit: how many piece files may be in memory at once.
       progress: called after each piece file is written, or None.
+      io_pool: threads for the blocking writes of raw chunk files.
+      direct_ok: per local destination (its URL), whether ``O_DIRECT`` works there.
     """
 
     manifest: Manifest
@@ -221,6 +225,8 @@ class _Copier:
     buffers: BufferPool
     limit: asyncio.Semaphore
     progress: Callable[[], None] | None
+    io_pool: concurrent.futures.Executor
+    direct_ok: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     async def run(self) -> list[tuple[str, int, int]]:
         """Copies every piece file, then checks the destination lists all their objects.
@@ -262,7 +268,6 @@ class _Copier:
         """Copies one piece file (its ``pieces``, several in a pack): name, bytes, chunks."""
         async with self.limit:
             first = pieces[0]
-            array = await self.reader.array(first)
             buffer = None
             try:
                 if len(pieces) == 1 and first.offset is None:
@@ -274,28 +279,72 @@ class _Copier:
                     await self.reader.read_into(first, first.start, first.stop, data)
                 else:
                     data = await self.reader.whole_file(first)
-                metadata = array.spec().to_json()["metadata"]
-                # Its zarr.json is already there (_copy_metadata): no metadata I/O here.
-                out = await ts.open(
-                    {
-                        "driver": "zarr3",
-                        "kvstore": (self.bases[first.file] / first.file).spec(),
-                        "metadata": metadata,
-                        "assume_metadata": True,
-                        "store_data_equal_to_fill_value": True,
-                    },
-                    context=self.context,
-                )
-                await out.write(data, can_reference_source_data_indefinitely=True)
+                rows = await self._raw_rows(first, data)
+                if rows is None:
+                    chunks = await self._write_encoded(first, data)
+                else:
+                    chunks = await self._write_raw(first, data, rows)
             finally:
                 if buffer is not None:  # written or failed: nothing uses it any more
                     self.buffers.give_back(buffer)
             self.reader.forget((first.root, first.file))
             if self.progress is not None:
                 self.progress()
-            grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
-            chunks = _write.grid_size(metadata["shape"], grid)
             return first.file, data.nbytes, chunks
+
+    async def _raw_rows(self, first: PieceRecord, data: np.ndarray) -> int | None:
+        """Rows per chunk when the file can be copied byte for byte; ``None`` when it cannot.
+
+        It can when both ends are local, the source's chunk files are ``data``'s raw bytes
+        (uncompressed) and their keys use this version's separator (chunk files side by side,
+        as ``_direct.chunk_jobs`` writes them): the copy's chunk files are then the source's.
+        """
+        if not self.bases[first.file].is_local:
+            return None
+        raw = await self.reader.raw_layout(first)
+        if raw is None or raw[0] != data.shape or not _direct.can_write_raw(data):
+            return None
+        rows, separator = raw[1]
+        return rows if separator == _direct.SEPARATOR else None
+
+    async def _write_raw(self, first: PieceRecord, data: np.ndarray, rows: int) -> int:
+        """Writes the chunk files of a raw piece from ``data`` (verified): their number.
+
+        ``O_DIRECT`` where the destination takes it; not fsynced here (``_sync_local`` syncs
+        every file of the copy at once).
+        """
+        base = self.bases[first.file]
+        loop = asyncio.get_running_loop()
+        if base.url not in self.direct_ok:  # probed once per destination directory
+            probe = _direct.supports_direct
+            self.direct_ok[base.url] = await loop.run_in_executor(
+                self.io_pool, probe, pathlib.Path(base.key)
+            )
+        array_dir = pathlib.Path(base.key) / first.file
+        jobs = _direct.chunk_jobs(
+            array_dir, data, rows, direct=self.direct_ok[base.url], sync=False
+        )
+        await _io.gather_all(loop.run_in_executor(self.io_pool, job) for job in jobs)
+        return len(jobs)
+
+    async def _write_encoded(self, first: PieceRecord, data: np.ndarray) -> int:
+        """Writes a piece file through TensorStore (compressed, or to an object store)."""
+        array = await self.reader.array(first)
+        metadata = array.spec().to_json()["metadata"]
+        # Its zarr.json is already there (_copy_metadata): no metadata I/O here.
+        out = await ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": (self.bases[first.file] / first.file).spec(),
+                "metadata": metadata,
+                "assume_metadata": True,
+                "store_data_equal_to_fill_value": True,
+            },
+            context=self.context,
+        )
+        await out.write(data, can_reference_source_data_indefinitely=True)
+        grid = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        return _write.grid_size(metadata["shape"], grid)
 
 
 def _sync_local(

@@ -163,7 +163,7 @@ class PieceReader:
         Read into an aligned buffer of its own (directly from raw chunk files), so that a whole
         packed member can be handed out as a view of it (:meth:`member`).
         """
-        raw = await self._raw_layout(piece)
+        raw = await self.raw_layout(piece)
         if raw is None:
             array = await self._array(piece)
             shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
@@ -252,7 +252,7 @@ class PieceReader:
     async def _read_array(
         self, piece: PieceRecord, local: tuple, dest: np.ndarray, whole: bool
     ) -> None:
-        raw = await self._raw_layout(piece) if whole and dest.flags.c_contiguous else None
+        raw = await self.raw_layout(piece) if whole and dest.flags.c_contiguous else None
         if raw is None or raw[0] != dest.shape:
             array = await self._array(piece)
             await ts.array(dest, copy=False, write=True).write(array[local])
@@ -262,8 +262,10 @@ class PieceReader:
         jobs = _direct.read_jobs(self.path(piece), dest, raw[1])
         await gather_all(loop.run_in_executor(self._io_pool, job) for job in jobs)
 
-    async def _raw_layout(self, piece: PieceRecord) -> tuple[tuple[int, ...], Any] | None:
+    async def raw_layout(self, piece: PieceRecord) -> tuple[tuple[int, ...], Any] | None:
         """Stored shape and chunk layout of a piece whose chunk files are its raw bytes.
+
+        The layout is ``_direct.raw_chunk_layout``'s: rows per chunk and the key separator.
 
         Read from its ``zarr.json`` (once per file) without opening it in TensorStore; ``None``
         when the piece is on an object store or stored otherwise, or its metadata cannot be read

@@ -2,11 +2,14 @@
 self-contained, every checksum checked, in bounded memory, committed by its manifest last."""
 
 import asyncio
+import json
 import tracemalloc
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore
 
 import cocijax as cj
 from cocijax import storage
@@ -154,3 +157,102 @@ def test_a_copy_over_dest_roots_stripes_its_pieces_like_a_save(item, tmp_path):
     assert storage.verify(tmp_path / "copy") == []
     back = _restore(tmp_path / "copy")
     assert all(np.array_equal(back[k], v) for k, v in TREE.items())
+
+
+def _local_item(path, **options):
+    """An item with whole pieces (one with an edge chunk) and packed members, on one root."""
+    tree = {
+        "big": np.arange(1000 * 300, dtype=np.float32).reshape(1000, 300),  # 12 chunks, edge
+        "mid": np.arange(70_000, dtype=np.int32),
+        "packed": [np.full(100 + i, i, np.float32) for i in range(5)],
+    }
+    handler = cj.StripedCheckpointHandler(chunk_bytes=100 << 10, small_bytes=4 << 10, **options)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(path, args=cj.StripedSave(tree))
+    return path, tree
+
+
+def _tensorstore_writes(monkeypatch) -> list:
+    """The piece files copy_item writes through TensorStore (opened with assume_metadata)."""
+    opened = []
+    real = tensorstore.open
+
+    def spy(spec, *args, **kwargs):
+        if isinstance(spec, dict) and spec.get("assume_metadata"):
+            opened.append(spec)
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(tensorstore, "open", spy)
+    return opened
+
+
+def _piece_files(item):
+    """Every file of the item's pieces (zarr.json and chunks), by its path under the item."""
+    files = {p.file for p in storage.read_manifest(item).pieces}
+    return {
+        p.relative_to(item): p.read_bytes()
+        for file in files
+        for p in (item / file).rglob("*")
+        if p.is_file()
+    }
+
+
+def _equal(back, tree):
+    pairs = zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True)
+    return all(np.array_equal(a, b) for a, b in pairs)
+
+
+def test_a_local_copy_writes_the_verified_chunk_files_byte_for_byte(tmp_path, monkeypatch):
+    item, tree = _local_item(tmp_path / "item")
+    writes = _tensorstore_writes(monkeypatch)
+    stats = storage.copy_item(item, tmp_path / "copy")
+    assert writes == []  # nothing decoded and re-encoded
+    copied = _piece_files(tmp_path / "copy")
+    assert copied == _piece_files(item)  # every zarr.json and chunk file (edge chunk too)
+    assert sum(1 for k in copied if k.name.startswith("c.")) > 12
+    assert stats.files == len({k.parent for k in copied})
+    assert storage.verify(tmp_path / "copy") == []
+    assert _equal(_restore(tmp_path / "copy"), tree)
+
+
+def test_a_damaged_source_is_never_copied_to_a_local_directory(tmp_path):
+    item, _ = _local_item(tmp_path / "item")
+    manifest = storage.read_manifest(item)
+    piece = next(p for p in manifest.pieces if manifest.leaves[p.leaf].path == "['big']")
+    chunk = manifest.piece_path(piece, item) / "c.11.0"  # the edge chunk
+    data = bytearray(chunk.read_bytes())
+    data[4] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(storage.CorruptCheckpointError, match=r"Leaf \['big'\].*checksum"):
+        storage.copy_item(item, tmp_path / "copy")
+    assert not (tmp_path / "copy" / MANIFEST_NAME).exists()
+
+
+def _with_slash_keys(item):
+    """Rewrites ``item``'s chunk keys as older versions wrote them: ``c/<i>/0`` in folders."""
+    manifest = storage.read_manifest(item)
+    for file in {p.file for p in manifest.pieces}:
+        array = item / file
+        meta = json.loads((array / "zarr.json").read_text())
+        meta["chunk_key_encoding"]["configuration"]["separator"] = "/"
+        (array / "zarr.json").write_text(json.dumps(meta))
+        for chunk in [p for p in array.iterdir() if p.name.startswith("c.")]:
+            dest = array.joinpath(*chunk.name.split("."))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            chunk.rename(dest)
+
+
+@pytest.mark.parametrize("layout", ["zstd", "slash keys"])
+def test_a_piece_stored_otherwise_is_still_copied_through_tensorstore(
+    layout, tmp_path, monkeypatch
+):
+    options = {"compression": "zstd"} if layout == "zstd" else {}
+    item, tree = _local_item(tmp_path / "item", **options)
+    if layout == "slash keys":
+        _with_slash_keys(item)
+        assert _equal(_restore(item), tree)
+    writes = _tensorstore_writes(monkeypatch)
+    storage.copy_item(item, tmp_path / "copy")
+    assert len(writes) == len({p.file for p in storage.read_manifest(item).pieces})
+    assert storage.verify(tmp_path / "copy") == []
+    assert _equal(_restore(tmp_path / "copy"), tree)

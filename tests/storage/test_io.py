@@ -22,6 +22,21 @@ def test_aligned_empty_is_aligned_and_writable(shape, dtype, align):
     assert (out == 1).all()
 
 
+def test_a_large_buffer_is_private_anonymous_memory_not_shmem():
+    # Python's mmap.mmap(-1, n) is a shared mapping, which Linux backs with shmem: faulting its
+    # pages in and freeing them cost a restore more CPU than private memory (notes/memrestore.md).
+    out = _io.aligned_empty((4 << 20,), np.uint8)
+    address = out.ctypes.data
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                assert perms.endswith("p"), line  # "rw-p", not "rw-s" (/dev/zero, shmem)
+                return
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def test_aligned_copy_is_an_equal_independent_array():
     source = np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1:]  # not contiguous
     copy = _io.aligned_copy(source)
