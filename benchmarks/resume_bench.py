@@ -121,14 +121,21 @@ def _train_step(params):
 def _memcpy_s(memory: Path, step: int) -> dict:
     """Reads the memory tier's files of ``step`` into preallocated NumPy buffers, twice.
 
-    ``memcpy_s``: into buffers allocated but never touched (``np.empty``), as a fresh process
-    has them: the copy faults their pages in, as a restore's must. ``memcpy_faulted_s``: into
-    the same buffers again, their pages in place: the copy alone.
+    ``memcpy_s``: into fresh private anonymous mappings, as a fresh process has its memory:
+    the copy faults their pages in, as a restore's must (``np.empty`` may hand back pages the
+    process freed before, which made this limit swing from run to run). ``memcpy_faulted_s``:
+    into the same buffers again, their pages in place: the copy alone.
     """
+    import mmap
+
     import numpy as np
 
+    def fresh(nbytes: int) -> np.ndarray:
+        pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(pages, np.uint8)[:nbytes]
+
     files = sorted(f for f in memory.glob(f"*/{step}/state/**/*") if f.is_file())
-    buffers = [np.empty(f.stat().st_size, np.uint8) for f in files]
+    buffers = [fresh(f.stat().st_size) for f in files]
     seconds = []
     for _ in range(2):
         t0 = time.perf_counter()
