@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from killed_child import run_until_killed
 
 import cocijax as cj
 from cocijax.core._contract import DirectoryLockedError
@@ -290,48 +289,6 @@ def test_memory_true_falls_back_to_the_disk_when_the_state_does_not_fit(tmp_path
         assert saved == [2, 4, 6, 8]
         assert mngr.memory_steps() == [] and mngr._local_steps() == saved
         shutil.rmtree(mngr._memory.path)
-
-
-# -- kills and reboots, with real processes -------------------------------------------------
-
-
-def _run_until(directory, memory, size, lines):
-    """Starts the child job, reads ``lines`` lines of its output, kills it (SIGKILL)."""
-    return run_until_killed("jax", directory, memory, size, lines)
-
-
-def _check_every_listed_step(directory, memory, size):
-    with cj.CheckpointManager(directory, policy=alternating(), memory=memory) as m:
-        for step in m.memory_steps():
-            restored = m.restore(step, tier="memory")
-            np.testing.assert_array_equal(restored["w"], np.full(size, step, np.float32))
-        for step in m._local_steps():
-            restored = m.restore(step, tier="local")
-            np.testing.assert_array_equal(restored["w"], np.full(size, step, np.float32))
-        return m.memory_steps(), m._local_steps(), m.measurements
-
-
-def test_a_process_killed_mid_write_leaves_whole_steps_and_counts_a_process_failure(
-    tmp_path, memory
-):
-    directory, size = tmp_path / "ckpt", 4 << 20  # 16 MiB: a save is in flight when killed
-    _run_until(directory, memory, size, lines=9)
-    out = _run_until(directory, memory, size, lines=2)
-    assert out[0].startswith("restored ") and out[0].endswith(" memory")
-    memory_steps, local_steps, measured = _check_every_listed_step(directory, memory, size)
-    assert memory_steps and local_steps
-    assert (measured.failures, measured.machine_failures) == (2, 0)
-
-
-def test_a_machine_reboot_restores_from_the_disk_and_counts_a_machine_failure(tmp_path, memory):
-    directory, size = tmp_path / "ckpt", 1000
-    _run_until(directory, memory, size, lines=9)
-    shutil.rmtree(memory)  # the reboot: the tmpfs is empty again
-    memory.mkdir()
-    out = _run_until(directory, memory, size, lines=2)
-    assert out[0].startswith("restored ") and out[0].endswith(" local")
-    _, _, measured = _check_every_listed_step(directory, memory, size)
-    assert (measured.failures, measured.machine_failures) == (2, 1)
 
 
 # -- a tmpfs that fills up ------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The memory tier (``memory=``) of both managers: the rules they share, run on each backend,
-and the PyTorch manager's own (its DCP copies, kills and reboots with real processes).
+"""The memory tier (``memory=``) of both managers: the rules they share, run on each backend
+(kills and reboots of a real child process included), and the PyTorch manager's own (its DCP
+copies).
 
 Each folder given as ``memory=`` is made under the machine's shared-memory tmpfs (found at run
 time, as ``memory=True`` finds it) and removed afterwards; the tests are skipped where there is
@@ -59,8 +60,11 @@ class JaxBackend:
     def save(self, mngr, step, offset=0.0, **kwargs):
         return mngr.save(step, {"w": values_at(step) + offset}, loss=1.0, **kwargs)
 
-    def restore(self, mngr, step=None):
-        return np.asarray(mngr.restore(step)["w"])
+    # A state this large is still being written when the child is killed.
+    killed_size = 4 << 20
+
+    def restore(self, mngr, step=None, *, size=N, tier=None):
+        return np.asarray(mngr.restore(step, tier=tier)["w"])
 
     def disk_steps(self, mngr):
         return mngr._local_steps()
@@ -81,8 +85,11 @@ class TorchBackend:
         w = torch.from_numpy(values_at(step) + np.float32(offset))
         return mngr.save(step, {"w": w}, loss=1.0, **kwargs)
 
-    def restore(self, mngr, step=None):
-        return mngr.restore(step, target={"w": torch.zeros(N)})["w"].numpy()
+    killed_size = 1 << 20  # a save may be in flight when killed
+
+    def restore(self, mngr, step=None, *, size=N, tier=None):
+        """The torch manager has no ``tier=``: a step's memory copy is read first."""
+        return mngr.restore(step, target={"w": torch.zeros(size)})["w"].numpy()
 
     def disk_steps(self, mngr):
         return list(mngr._steps)
@@ -315,38 +322,41 @@ def test_several_ranks_are_refused_a_memory_tier(tmp_path, memory, monkeypatch):
     assert not (tmp_path / "ckpt").exists()
 
 
-def _run_until(directory, memory, size, lines):
-    """Starts the child job, reads ``lines`` lines of its output, kills it (SIGKILL)."""
-    return run_until_killed("torch", directory, memory, size, lines)
+# -- kills and reboots, with real processes (both managers) ------------------------------------
 
 
-def _check_every_listed_step(directory, memory, size):
-    """Restores every listed step of each tier, bit-exact; returns the tiers' steps and the
-    measurements of a fresh opening."""
-    with cjt.CheckpointManager(directory, policy=alternating(), memory=memory) as mngr:
-        listed = (mngr.memory_steps(), list(mngr._steps))
-        for step in sorted(set(listed[0]) | set(listed[1])):
-            w = mngr.restore(step, target={"w": torch.zeros(size)})["w"]
-            assert torch.equal(w, torch.full((size,), float(step))), step
+def _check_every_listed_step(backend, directory, memory, size):
+    """Restores every listed step of each tier bit-exact (the torch manager reads a step's
+    memory copy first); returns the tiers' steps and the measurements of a fresh opening."""
+    with backend.open(directory, policy=alternating(), memory=memory) as mngr:
+        listed = (mngr.memory_steps(), backend.disk_steps(mngr))
+        for tier, steps in zip(("memory", "local"), listed, strict=True):
+            for step in steps:
+                w = backend.restore(mngr, step, size=size, tier=tier)
+                assert w.tobytes() == np.full(size, step, np.float32).tobytes(), (tier, step)
         return listed, mngr.measurements
 
 
-def test_a_sigkill_then_reopen_restores_from_memory_and_counts_a_process_failure(tmp_path, memory):
-    directory, size = tmp_path / "ckpt", 1 << 20  # 4 MiB: a save may be in flight when killed
-    _run_until(directory, memory, size, lines=9)
-    out = _run_until(directory, memory, size, lines=2)
+def test_a_sigkill_then_reopen_restores_from_memory_and_counts_a_process_failure(
+    backend, tmp_path, memory
+):
+    directory, size = tmp_path / "ckpt", backend.killed_size
+    run_until_killed(backend.name, directory, memory, size, lines=9)
+    out = run_until_killed(backend.name, directory, memory, size, lines=2)
     assert out[0].startswith("restored ") and out[0].endswith(" memory"), out
-    (memory_steps, disk_steps), measured = _check_every_listed_step(directory, memory, size)
+    (memory_steps, disk_steps), measured = _check_every_listed_step(
+        backend, directory, memory, size
+    )
     assert memory_steps and disk_steps
     assert (measured.failures, measured.machine_failures) == (2, 0)
 
 
-def test_a_reboot_restores_from_the_disk_and_counts_a_machine_failure(tmp_path, memory):
+def test_a_reboot_restores_from_the_disk_and_counts_a_machine_failure(backend, tmp_path, memory):
     directory, size = tmp_path / "ckpt", 1000
-    _run_until(directory, memory, size, lines=9)
+    run_until_killed(backend.name, directory, memory, size, lines=9)
     shutil.rmtree(memory)  # the reboot: the tmpfs is empty again
     memory.mkdir()
-    out = _run_until(directory, memory, size, lines=2)
+    out = run_until_killed(backend.name, directory, memory, size, lines=2)
     assert out[0].startswith("restored ") and out[0].endswith(" local"), out
-    _, measured = _check_every_listed_step(directory, memory, size)
+    _, measured = _check_every_listed_step(backend, directory, memory, size)
     assert (measured.failures, measured.machine_failures) == (2, 1)
