@@ -5,6 +5,7 @@ several-process behaviour is tested with real processes in tests/reliability/tes
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -55,3 +56,18 @@ def test_host_local_in_one_process_saves_and_restores_as_usual(tmp_path):
         restored = mngr.restore(1, tier="durable")
     np.testing.assert_array_equal(restored["w"], state["w"])
     assert restored["b"] == 3
+
+
+def test_a_memory_tier_on_a_directory_several_processes_share_is_refused(
+    tmp_path, memory, monkeypatch
+):
+    # The refusal needs only the process count (a real 2-process job: test_multiprocess_memory).
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(
+        ValueError,
+        match=r"memory=: the memory tier supports one process; this job has 2\. "
+        r"Pass host_local=True .*a durable= tier",
+    ):
+        _open(tmp_path / "ckpt", memory=memory)
+    assert not (tmp_path / "ckpt").exists()
+    assert list(memory.iterdir()) == []  # nothing made in the memory folder either
