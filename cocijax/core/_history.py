@@ -23,15 +23,16 @@ either. The directory can tell:
   ``prior_mtbf_s`` seconds, so ``E[lam] = (1 + failures) / (prior_mtbf_s + T)`` and the MTBF
   used is its inverse, kept within ``[MIN_MTBF_S, MAX_MTBF_S]``. With no history it is the
   prior; every failure and every hour of uptime moves it towards the job's own rate.
-* **Failure classes.** With a memory tier (a folder on tmpfs) a writer also marks the tier
-  (its own marker, holding a token the directory's marker repeats). A failed run whose memory
-  marker survived was a *process failure* (the process died, the machine's memory did not:
-  a memory snapshot recovers it); one whose memory marker is gone while the directory's says
-  the run had one was a *machine failure* (a reboot, a lost host: only the disk or durable
-  tier recovers it). Each class's rate is learned as above with its own prior, the prior's
-  rate split :data:`MACHINE_SHARE` to machines (see :meth:`RunHistory.class_mtbf_s`); without a
-  memory tier every failure is a process failure. Each class's recovery time is that of the
-  runs that followed a failure of the class.
+* **Failure classes.** With a memory tier (a folder on tmpfs) a writer also marks the tier (its
+  own marker, holding a token the directory's marker repeats). A failed run whose memory marker
+  survived was a *process failure* (the process died, the machine's memory did not: a memory
+  snapshot recovers it); one whose memory marker is gone while the directory's says the run had
+  one was a *machine failure* (a reboot, a lost host: only the disk or durable tier recovers
+  it); with several processes marking tiers of their own (the PyTorch manager's ranks), any
+  one's marker gone makes it a machine failure. Each class's rate is learned as above with its
+  own prior, the prior's rate split :data:`MACHINE_SHARE` to machines (see
+  :meth:`RunHistory.class_mtbf_s`); without a memory tier every failure is a process failure.
+  Each class's recovery time is that of the runs that followed a failure of the class.
 * **Recovery.** From the process start (or the manager's opening, if the start is unknown) to
   the first training step after a restore: imports, compilation, restore. Recorded with each
   checkpoint; the last measured value is used.
@@ -48,7 +49,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, final
 
@@ -146,6 +147,12 @@ class RunHistory:
         :func:`process_age_s`): recovery is measured from the process start then.
       memory_marker: the writer's marker in its memory tier (a file on tmpfs), or None without
         one: whether it survived a failed run tells a process failure from a machine failure.
+      token: this run's token in the memory markers (default: a new one). Processes of a job
+        that keep memory tiers of their own write the writer's token into theirs
+        (:func:`write_memory_marker`).
+      peer_memory_tokens: the tokens the job's other processes found in their memory markers
+        at opening (:func:`read_memory_token`): one that is not the failed run's (a host whose
+        memory was lost) makes the failure a machine failure too.
 
     Attributes:
       failures: failures of the job so far (runs that did not close cleanly).
@@ -163,10 +170,13 @@ class RunHistory:
         writer: bool = True,
         opened_at_age_s: float | None = None,
         memory_marker: os.PathLike | str | None = None,
+        token: str | None = None,
+        peer_memory_tokens: Sequence[str | None] = (),
     ):
         self._marker = Path(directory) / MARKER
         self._memory_marker = None if memory_marker is None else Path(memory_marker)
-        self._token = os.urandom(8).hex()  # this run's, in both markers
+        self._token = token or os.urandom(8).hex()  # this run's, in both markers
+        self._peer_tokens = list(peer_memory_tokens)
         self._clock = clock
         self._writer = writer
         self._opened = clock()
@@ -223,7 +233,8 @@ class RunHistory:
         # A marker written before markers held a count reads as 0, and "running".
         failed = mark.get("closed") is not True
         token = mark.get("memory_token")
-        lost = failed and isinstance(token, str) and self._memory_token() != token
+        found = [self._memory_token(), *self._peer_tokens]
+        lost = failed and isinstance(token, str) and any(t != token for t in found)
         return (
             counted["failures"],
             counted["machine_failures"],
@@ -232,12 +243,7 @@ class RunHistory:
 
     def _memory_token(self) -> str | None:
         """The token in the memory tier's marker (None: gone, or no memory tier now)."""
-        if self._memory_marker is None:
-            return None
-        try:
-            return json.loads(self._memory_marker.read_bytes()).get("token")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            return None
+        return None if self._memory_marker is None else read_memory_token(self._memory_marker)
 
     def _write_marker(self, *, closed: bool = False) -> None:
         mark = {
@@ -248,7 +254,7 @@ class RunHistory:
         }
         if self._memory_marker is not None:
             # The memory tier's marker first: the directory's names it only once it exists.
-            _write_json(self._memory_marker, {"token": self._token, "pid": os.getpid()})
+            write_memory_marker(self._memory_marker, self._token)
             mark["memory_token"] = self._token
         _write_json(self._marker, {**mark, "closed": closed})
 
@@ -356,6 +362,20 @@ class RunHistory:
 def _mtbf(prior_mtbf_s: float, uptime_s: float, failures: int) -> float:
     mtbf = (prior_mtbf_s + uptime_s) / (1.0 + failures)
     return min(max(mtbf, MIN_MTBF_S), MAX_MTBF_S)
+
+
+def read_memory_token(path: os.PathLike | str) -> str | None:
+    """The run token in the memory marker ``path`` (None: gone, unreadable, or not a marker)."""
+    try:
+        token = json.loads(Path(path).read_bytes()).get("token")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return token if isinstance(token, str) else None
+
+
+def write_memory_marker(path: os.PathLike | str, token: str) -> None:
+    """Writes a memory marker holding ``token`` (see :class:`RunHistory`'s ``token``)."""
+    _write_json(Path(path), {"token": token, "pid": os.getpid()})
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

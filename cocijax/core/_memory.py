@@ -106,7 +106,6 @@ def check_memory(
     directory: Path,
     *,
     processes: int,
-    unit: str = "process",
     hint: str = "Open without memory=.",
     stacklevel: int = 4,
 ) -> MemoryOptions | None:
@@ -117,7 +116,6 @@ def check_memory(
       memory_bytes: the budget in bytes, or None.
       directory: the checkpoint directory (the folder may not overlap it).
       processes: how many processes save together (the tier supports one).
-      unit: what a process is called in the error (``"process"``, ``"rank"``).
       hint: what the error with several processes tells to do.
       stacklevel: as for ``warnings.warn``: the user's call to the manager.
 
@@ -144,7 +142,7 @@ def check_memory(
         raise TypeError(f"memory: expected True, a folder (str or path) or None, got {memory!r}.")
     if processes > 1:
         raise ValueError(
-            f"memory=: the memory tier supports one {unit}; this job has {processes}. {hint}"
+            f"memory=: the memory tier supports one process; this job has {processes}. {hint}"
         )
     if memory is True:
         found = find_tmpfs()

@@ -187,14 +187,9 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
-    # A memory tier is one machine's: host-local, each process has its own. On one shared
-    # directory a step is one Orbax commit of every process's shards, which memory copies made
-    # per process cannot be merged into: refused, pointing at the layout of Orbax's emergency
-    # manager (a local folder and memory per host, a shared persistent copy).
-    hint = (
-        "Pass host_local=True (each process its own folders and memory tier; a durable= tier "
-        "as the copy every process shares), or open without memory=."
-    )
+    # Host-local, each process has a memory tier of its own; one shared directory's step is one
+    # Orbax commit, which per-process memory copies cannot join (docs/manager.md, Limits).
+    hint = "Pass host_local=True (a memory tier per process) with a durable= tier, or no memory=."
     processes = 1 if host_local else jax.process_count()
     memory_options = check_memory(memory, memory_bytes, path, processes=processes, hint=hint)
     orbax_options, several = check_host_local(host_local, orbax_options)

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from cocijax._files import fsync_dir, remove_tree, replace_bytes
+from cocijax.core._identity import Identity, bump_identity
+from cocijax.core._lock import DirectoryLock
 
 __all__ = [
     "FORMAT",
@@ -35,6 +37,7 @@ __all__ = [
     "TMP_PREFIX",
     "TRASH_DIR",
     "commit",
+    "open_directory",
     "read_metadata",
     "remove",
     "remove_uncommitted",
@@ -70,6 +73,30 @@ def scan_steps(directory: Path) -> list[int]:
             )
         steps.append(int(entry.name))
     return sorted(steps)
+
+
+def open_directory(directory: Path, lock: DirectoryLock) -> tuple[list[int], str, Identity, str]:
+    """Rank 0, at opening: makes and locks ``directory``, removes what a crashed run left, lists
+    the steps, bumps the directory's identity.
+
+    Returns:
+      The committed steps; the run's session (it names the run's temporary directories); the
+      directory's identity, its epoch bumped (it names the memory tier's folder); the run's
+      token (it marks the memory tiers and the directory).
+
+    Raises:
+      DirectoryLockedError: another manager writes to ``directory``.
+      ValueError: as :func:`scan_steps`.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    # Before anything is cleaned up: a second writer would remove the first's save in flight.
+    lock.acquire()
+    remove_uncommitted(directory)
+    steps = scan_steps(directory)
+    # Every writer's opening counts (the epoch): a memory tier's snapshots saved before an
+    # opening without it are not restored (check_owner).
+    identity = bump_identity(directory)
+    return steps, uuid.uuid4().hex[:12], identity, os.urandom(8).hex()
 
 
 def remove_uncommitted(directory: Path) -> None:

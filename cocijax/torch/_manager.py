@@ -18,7 +18,8 @@ the ranks' flags gathered on the ``control`` group so that all save the same ste
 
 The memory tier (``memory=``) is the JAX manager's too, its rules from ``cocijax.core._memory``
 and its files in this manager's format (``_memory``): a level-1 save lands in memory only, a
-persisted one in memory and then on the disk; ``restore`` reads memory first.
+persisted one in memory and then on the disk; ``restore`` reads memory first. With several
+ranks each keeps its own memory tier, and a step restores from memory only if all can.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,19 +45,14 @@ from cocijax.core._contract import (
 )
 from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory, failed_exit, process_age_s
-from cocijax.core._identity import bump_identity
 from cocijax.core._lock import DirectoryLock
-from cocijax.core._memory import MemoryOptions, check_memory
+from cocijax.core._memory import check_memory
 from cocijax.core._preemption import Preemption, PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
 from cocijax.torch import _restoring, _saving
-from cocijax.torch._directory import (
-    read_metadata,
-    remove_uncommitted,
-    scan_steps,
-)
-from cocijax.torch._memory import MemoryTier
+from cocijax.torch._directory import open_directory, read_metadata
+from cocijax.torch._memory import MemoryTier, mark_ranks, open_tier
 from cocijax.torch._ranks import Ranks
 from cocijax.torch._state import (
     RESERVED,
@@ -113,8 +108,8 @@ class CheckpointManager:
     **Several ranks.** Initialise the process group before opening the manager; opening,
     ``save``, ``restore`` and ``close`` are collective (the same steps and ``force`` on every
     rank), the directory one every rank sees. Rank 0's inputs decide for all; rank 0 alone
-    locks, commits and deletes; every rank restores its own shards, RNG states and extra items.
-    See the docs' "PyTorch" page.
+    locks, commits and deletes; every rank restores its own shards, RNG states and extra items
+    (and keeps its own memory tier). See the docs' "PyTorch" page.
 
     Args:
       directory: where checkpoints live; created if missing.
@@ -136,14 +131,15 @@ class CheckpointManager:
         and commits inside ``save``.
       prior_mtbf_s: the MTBF the learned estimate starts from (as for the JAX manager).
       memory: a memory tier: a folder on a tmpfs, or True for one under the machine's
-        shared-memory tmpfs (as for the JAX manager; one rank only). Every save lands there
-        first, in this manager's format (it survives the process's death, not the
-        machine's); a two-level policy's level-1 saves go there only, every other save (a
-        one-level policy's, ``force``, the final step, a preemption save) also to
-        ``directory``, copied from memory in the background. Two slots: the newest committed
-        memory step is never overwritten. One folder per directory (its identity,
-        ``.cocijax-id``). ``restore`` reads memory first (a damaged copy is skipped, warned);
-        see :attr:`restored_tier`.
+        shared-memory tmpfs (as for the JAX manager). Every save lands there first, in this
+        manager's format (it survives the process's death, not the machine's); a two-level
+        policy's level-1 saves go there only, every other save (a one-level policy's,
+        ``force``, the final step, a preemption save) also to ``directory``, written from the
+        same snapshot in the background. Two slots: the newest committed memory step is never
+        overwritten. One folder per directory (its identity, ``.cocijax-id``), and per rank
+        with several: each rank keeps its own state there. ``restore`` reads memory first (a
+        damaged copy is skipped, warned); with several ranks, only a step whose memory copy
+        checks out on every rank (see :attr:`restored_tier`).
       memory_bytes: the memory tier's budget (default: two states, at most the tmpfs's free
         space), checked at the first save: a state that does not fit is a ``ValueError``
         naming the sizes; with ``memory=True`` the manager warns and saves to the disk only.
@@ -152,8 +148,8 @@ class CheckpointManager:
     Raises:
       ValueError: when ``max_to_keep`` < 1, ``best_mode``/``keep_latest``/
         ``preemption_signals``/``memory_bytes`` are out of range, ``directory`` holds
-        checkpoints that were not written by ``cocijax.torch``, ``memory`` overlaps
-        ``directory`` or belongs to a copy of it, or ``memory`` is given to several ranks.
+        checkpoints that were not written by ``cocijax.torch``, or ``memory`` overlaps
+        ``directory`` or belongs to a copy of it.
       TypeError: when ``policy`` is not a policy, ``best_fn`` is not callable,
         ``preemption_signals`` is not a sequence of signals, or ``memory``/``memory_bytes``
         have the wrong type.
@@ -212,14 +208,22 @@ class CheckpointManager:
         self._ranks = Ranks()
         self._dir_lock = DirectoryLock(self._dir)
         self._memory: MemoryTier | None = None
+        self._lock = threading.Lock()
+        lead = lambda fn: self._ranks.lead(fn, group=self._ranks.control)
         try:
+            # Each rank keeps a memory tier of its own (see _memory): any number of ranks.
             options = check_memory(
-                memory, memory_bytes, self._dir.absolute(), processes=self._ranks.world,
-                unit="rank", stacklevel=3,
-            )  # fmt: skip
-            opened = self._ranks.lead(
-                lambda: self._open_directory(options), group=self._ranks.control
+                memory, memory_bytes, self._dir.absolute(), processes=1, stacklevel=3
             )
+            opened = lead(lambda: open_directory(self._dir, self._dir_lock))
+            self._steps, self._session, identity, token = opened
+            if options is not None:
+                self._memory = open_tier(
+                    options, identity, self._ranks, directory=self._dir.absolute(),
+                    newest_on_disk=max(self._steps, default=None),
+                )  # fmt: skip
+            peers = [] if self._memory is None else mark_ranks(self._memory, self._ranks, token)
+            latest = lead(self._newest_metadata)
         except BaseException:
             run_all(
                 self._memory.close if self._memory is not None else (lambda: None),
@@ -227,7 +231,6 @@ class CheckpointManager:
                 self._ranks.close,
             )
             raise
-        self._steps, self._session, latest = opened
         self._restored: tuple[int, str] | None = None
         self._history = RunHistory(
             self._dir,
@@ -235,6 +238,8 @@ class CheckpointManager:
             writer=self._ranks.leader,
             opened_at_age_s=age,
             memory_marker=None if self._memory is None else self._memory.marker,
+            token=token,
+            peer_memory_tokens=peers,
         )
         # The steps of the ranks are not compared (JAX's check would start JAX's backend here).
         self._driver = make_driver(
@@ -243,7 +248,6 @@ class CheckpointManager:
         self._retention = Retention(best, max_to_keep)
         self._check_metrics = MetricsCheck(best)  # a step without metrics: said once
         self._use_async = use_async
-        self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "cocijax-torch-commit")
         self._pending: concurrent.futures.Future | None = None
         self._closed = False
@@ -265,29 +269,10 @@ class CheckpointManager:
         watcher.install(on_end=self.close)
         self._preemption = Preemption(watcher, owner=str(self._dir))
 
-    def _open_directory(self, memory: MemoryOptions | None) -> tuple[list[int], str, dict | None]:
-        """Rank 0: locks the directory, removes leftovers, opens the memory tier, lists the
-        steps; returns the disk's steps, the session and the newest step's metadata."""
-        self._dir.mkdir(parents=True, exist_ok=True)
-        # Before anything is cleaned up: a second writer would remove the first's save in flight.
-        self._dir_lock.acquire()
-        remove_uncommitted(self._dir)
-        steps = scan_steps(self._dir)
-        # Every writer's opening counts (the epoch): a memory tier's snapshots saved before an
-        # opening without it are not restored (check_owner).
-        identity = bump_identity(self._dir)
-        if memory is not None:  # one rank: this is the only process
-            self._memory = MemoryTier(
-                memory,
-                identity.namespace,
-                directory=self._dir.absolute(),
-                epoch=identity.epoch,
-                newest_on_disk=max(steps, default=None),
-            )
-        newest = max([*steps, *self.memory_steps()], default=None)
-        latest = None if newest is None else read_metadata(self._step_dir(newest).parent, newest)
-        # Names this run's temporary directories, the same on every rank.
-        return steps, uuid.uuid4().hex[:12], latest
+    def _newest_metadata(self) -> dict | None:
+        """Rank 0, at opening: the newest step's ``cocijax.json`` (its memory copy's first)."""
+        newest = self.latest_step()
+        return None if newest is None else read_metadata(self._step_dir(newest).parent, newest)
 
     # ----------------------------------------------------------------------------- queries
     @property

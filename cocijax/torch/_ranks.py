@@ -93,6 +93,19 @@ class Ranks:
         dist.all_gather(gathered, tensor, group=self.control)
         return torch.stack(gathered).numpy()
 
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value`` (anything that pickles), in rank order, on :attr:`control`.
+
+        The memory tier's agreements use it: which memory steps each rank holds, whether its
+        copy of a step checks out, its run marker's token. Bounded as every collective here:
+        by the group's timeout, and by ``torchrun`` stopping the others when a rank dies.
+        """
+        if self.control is None:
+            return [value]
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self.control)
+        return values
+
     def lead(self, fn: Callable[[], T], *, group: dist.ProcessGroup | None) -> T:
         """Runs ``fn`` on rank 0 only; every rank returns its result or raises its error.
 

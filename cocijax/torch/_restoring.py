@@ -4,7 +4,11 @@ These functions are the manager's own, kept apart for size: they take the manage
 
 With a memory tier, a step's memory copy is tried first, checked against its files' checksums
 before DCP loads anything into the target: a copy that does not check out is skipped with a
-warning for the next one (the older memory slot, then the directory's copy) and deleted.
+warning for the next one (the older memory slot, then the directory's copy) and deleted. With
+several ranks (each its own memory tier) the ranks agree first on the memory steps all of them
+hold, then on each copy tried: a step restores from memory only when every rank's copy checks
+out, else every rank skips it (and deletes its copy), so all restore the same step from the
+same tier.
 """
 
 from __future__ import annotations
@@ -56,12 +60,14 @@ def restore(
     objects = check_extra(extra)
     step, tier, meta = _first_intact(mngr, step)
     path = (mngr._dir if tier == "local" else mngr._memory.path) / str(step)
-    control = mngr._ranks.control
+    # A memory copy is this rank's own checkpoint (see _memory): read by this process alone.
+    own = tier == "memory" and mngr._ranks.world > 1
+    dist_args = {"no_dist": True} if own else mngr._ranks.dcp_args(mngr._ranks.control)
     same_ranks = check_restorable(mngr, meta, step, objects)
     state_dict = to_state_dict(target)
     state_dict[RESERVED] = rank_template(meta["format"], mngr.rank, objects, rng=same_ranks)
     try:
-        dcp.load(state_dict, checkpoint_id=path, **mngr._ranks.dcp_args(control))
+        dcp.load(state_dict, checkpoint_id=path, **dist_args)
     except (Exception, CheckpointException) as e:
         raise ValueError(f"cannot restore step {step} from {path}: {dcp_message(e)}") from e
     out = from_state_dict(target, state_dict)
@@ -79,43 +85,61 @@ def restore(
 
 
 def _first_intact(mngr: CheckpointManager, step: int | None) -> tuple[int, str, dict]:
-    """The copy to restore: ``(step, "memory" | "local", its metadata)``.
+    """The copy to restore: ``(step, "memory" | "local", its metadata)``, the same on every rank.
 
     The memory copies of ``step`` (default: the newest step, then the older memory slot) come
-    first, then the directory's copy; a memory copy whose metadata or files do not check out
-    is skipped with a warning and deleted (it is newer than the step restored: left listed,
-    the next save would have to come after it).
+    first, then the directory's copy. The memory steps tried are those every rank holds; a
+    memory copy whose metadata or files do not check out on some rank is skipped on every rank
+    with a warning naming the ranks, and deleted (it is newer than the step restored: left
+    listed, the next save would have to come after it).
     """
-    memory = mngr.memory_steps()
-    tiers = {"memory": memory, "local": list(mngr._steps)}
-    where = str(mngr._dir) + (f" or {mngr._memory.path}" if memory else "")
-    copies = restore_order(step, tiers, fallback=bool(memory), where=where)
+    ranks, memory = mngr._ranks, mngr._memory
+    held = ranks.gather([] if memory is None else sorted(memory.steps))
+    common = sorted(set(held[0]).intersection(*held))
+    tiers = {"memory": common, "local": list(mngr._steps)}
+    where = str(mngr._dir) + (f" or {memory.path}" if common else "")
+    copies = restore_order(step, tiers, fallback=bool(common), where=where)
     if step is not None:
         copies = [c for c in copies if c[0] == copies[0][0]]
     disk = [i for i, (_, tier) in enumerate(copies) if tier == "local"]
     copies = copies[: disk[0] + 1] if disk else copies
     for s, tier in copies:
-        folder = mngr._dir if tier == "local" else mngr._memory.path
-        try:
-            meta = mngr._ranks.lead(
-                lambda: read_metadata(folder, s),  # noqa: B023 (called at once)
-                group=mngr._ranks.control,
-            )
-            if tier == "memory":  # one rank: the memory tier's files are all here
-                verify(folder / str(s), meta.get("checksums", {}))
-        except (OSError, ValueError) as e:
-            if tier == "local" or (s, tier) == copies[-1]:
-                raise
-            warnings.warn(
-                f"restore: skipping damaged step {s} (memory copy): {e}",
-                RuntimeWarning,
-                stacklevel=4,  # the user's restore call
-            )
-            with mngr._lock:
-                mngr._memory.delete(s)
-            continue
-        return s, tier, meta
+        if tier == "local":  # rank 0 reads the record every rank loads by
+            meta = ranks.lead(lambda: read_metadata(mngr._dir, s), group=ranks.control)  # noqa: B023
+            return s, tier, meta
+        meta, error = _check_memory_copy(memory.path, s)
+        errors = ranks.gather(None if error is None else str(error))
+        damaged = {r: e for r, e in enumerate(errors) if e is not None}
+        if not damaged:
+            return s, tier, meta
+        if (s, tier) == copies[-1]:
+            if error is not None:
+                raise error
+            raise ValueError(f"restore: step {s}'s memory copy is damaged: {_ranks_said(damaged)}")
+        warnings.warn(
+            f"restore: skipping damaged step {s} (memory copy): "
+            + (str(error) if ranks.world == 1 else _ranks_said(damaged)),
+            RuntimeWarning,
+            stacklevel=4,  # the user's restore call
+        )
+        with mngr._lock:
+            mngr._memory.delete(s)  # on every rank: no rank restores it from memory
     raise AssertionError("unreachable: the last copy returns or raises")
+
+
+def _check_memory_copy(folder: Path, step: int) -> tuple[dict | None, Exception | None]:
+    """This rank's memory copy of ``step``: ``(its metadata, None)`` when its files match
+    their checksums, else ``(None, the error)``."""
+    try:
+        meta = read_metadata(folder, step)
+        verify(folder / str(step), meta.get("checksums", {}))
+    except (OSError, ValueError) as e:
+        return None, e
+    return meta, None
+
+
+def _ranks_said(errors: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())
 
 
 def check_restorable(

@@ -4,18 +4,26 @@ With a memory tier, DCP writes into it (after freeing the older slot) and the st
 there first; a persisted save (level 2) is then copied to the directory and committed there,
 in the background like the write. A level-1 save stays in memory.
 
+With several ranks and a memory tier, each rank writes its own state into its own tier (DCP in
+this process alone), and every rank commits its copy; a persisted save is then written to the
+directory by a collective DCP write of the same staged state (one snapshot: the memory copies
+are per rank, the directory's step is one checkpoint of every rank's shards), committed by
+rank 0.
+
 These functions are the manager's own, kept apart for size: they take the manager first.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from cocijax._digest import with_digest
 from cocijax.core._memory import older_slots
@@ -49,6 +57,7 @@ def save_step(
     to_disk = level == 2 or memory is None
     tmp = (mngr._dir if memory is None else memory.path) / f"{TMP_PREFIX}{step}-{mngr._session}"
     control, writes = mngr._ranks.control, mngr._ranks.writes
+    per_rank = memory is not None and mngr._ranks.world > 1
 
     def stage() -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
         objects = check_extra(extra)
@@ -72,7 +81,9 @@ def save_step(
             # rank before any of them starts DCP's collective write.
             state_dict, names, recorded = mngr._ranks.agree(stage, group=control)
             snapshot = mngr._driver.snapshot(loss, level)
-            if mngr._use_async:
+            if per_rank:
+                write, staged = _write_own(mngr, state_dict, tmp)
+            elif mngr._use_async:
                 write = dcp.async_save(
                     state_dict, checkpoint_id=tmp, **mngr._ranks.dcp_args(writes)
                 )
@@ -80,11 +91,15 @@ def save_step(
                 dcp.save(state_dict, checkpoint_id=tmp, **mngr._ranks.dcp_args(writes))
                 write = None
         meta = {"world_size": mngr._ranks.world, "extra": names, "metrics": recorded}
-        args = (mngr, step, tmp, meta, snapshot, write, memory, to_disk)
-        if write is None:
-            _commit(*args)
+        if per_rank:
+            commit_fn, args = _commit_per_rank, (mngr, step, tmp, meta, snapshot, write, staged)
+            args += (to_disk,)
         else:
-            mngr._pending = mngr._executor.submit(_commit, *args)
+            commit_fn, args = _commit, (mngr, step, tmp, meta, snapshot, write, memory, to_disk)
+        if write is None:
+            commit_fn(*args)
+        else:
+            mngr._pending = mngr._executor.submit(commit_fn, *args)
     except BaseException:
         _abandon(mngr, step, tmp.name)
         raise
@@ -92,11 +107,48 @@ def save_step(
 
 def _memory_target(mngr: CheckpointManager, state: Mapping[str, Any]) -> MemoryTier | None:
     """The memory tier this save writes to: None without one, or once a state did not fit
-    with ``memory=True`` (warned; the budget is checked at the first save)."""
-    memory = mngr._memory
+    with ``memory=True`` (warned; the budget is checked at the first save). With several
+    ranks, one rank's tier that does not fit takes every rank's out (an error on one rank is
+    raised on every rank)."""
+    memory, ranks = mngr._memory, mngr._ranks
     if memory is None or not memory.enabled:
         return None
-    return memory if memory.check_fits(lambda: tree_nbytes(state)) else None
+    if ranks.world == 1:
+        return memory if memory.check_fits(lambda: tree_nbytes(state)) else None
+    if not memory.fits_checked:  # the first save, on every rank at once
+        # The user's save -> save_step -> here -> agree -> the lambda -> check_fits.
+        check = lambda: memory.check_fits(lambda: tree_nbytes(state), stacklevel=7)
+        fits = ranks.agree(check, group=ranks.control)
+        memory.enabled = bool(ranks.allgather(np.array([fits])).all())
+    return memory if memory.enabled else None
+
+
+class _KeepStaged(DefaultStager):
+    """DCP's default staging (a host copy of the state, as ``async_save`` makes), which keeps
+    the staged copy: a persisted save writes it to the directory after its memory copy."""
+
+    staged: Any = None
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(False, False, False, False))
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        self.staged = super().stage(state_dict, **kwargs)
+        return self.staged
+
+
+def _write_own(
+    mngr: CheckpointManager, state_dict: dict[str, Any], tmp: Path
+) -> tuple[concurrent.futures.Future | None, Callable[[], Any]]:
+    """Several ranks: starts this rank's write of its own state into its memory tier; returns
+    the write (None: done) and what a persisted save writes to the directory."""
+    if not mngr._use_async:
+        dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+        return None, lambda: state_dict
+    stager = _KeepStaged()
+    write = dcp.async_save(state_dict, checkpoint_id=tmp, no_dist=True, async_stager=stager)
+    write.add_done_callback(lambda _: stager.close())
+    return write, lambda: stager.staged
 
 
 def _commit(
@@ -140,6 +192,55 @@ def _commit(
         _retire(mngr)
 
 
+def _commit_per_rank(
+    mngr: CheckpointManager,
+    step: int,
+    tmp: Path,
+    meta: dict,
+    snapshot: dict,
+    write: Any,
+    staged: Callable[[], Any],
+    to_disk: bool,
+) -> None:
+    """Several ranks with memory tiers: waits for every rank's memory write, then every rank
+    commits its copy (rank 0's record, its own checksums); a persisted save is then written to
+    the directory from the same staged state (collective) and committed by rank 0."""
+    ranks, memory = mngr._ranks, mngr._memory
+    everywhere = False  # every rank's memory copy committed
+    try:
+        if write is not None:
+            ranks.agree(lambda: _dcp_result(write, step, tmp), group=ranks.writes)
+
+        def record() -> dict:
+            policy = with_digest(mngr._driver.to_json(snapshot, cost_s=mngr._driver.cost_s))
+            return {**meta, "policy": policy}
+
+        shared = ranks.lead(record, group=ranks.writes)  # rank 0's metrics and history
+
+        def commit_own() -> None:
+            own = {**shared, "rank": ranks.rank, "checksums": checksums(tmp)}
+            commit(memory.path, tmp, step, own)
+
+        ranks.agree(commit_own, group=ranks.writes)
+        everywhere = True
+        if to_disk:
+            disk = mngr._dir / tmp.name
+            try:
+                dcp.save(staged(), checkpoint_id=disk, **ranks.dcp_args(ranks.writes))
+            except CheckpointException as e:
+                raise RuntimeError(f"saving step {step} to {disk} failed: {dcp_message(e)}") from e
+            ranks.lead(lambda: commit(mngr._dir, disk, step, shared), group=ranks.writes)
+            mngr._history.recorded()
+    except BaseException:
+        if not everywhere:  # a copy some rank lacks cannot restore: none keeps it
+            with mngr._lock:
+                memory.delete(step)
+        _abandon(mngr, step, tmp.name)
+        raise
+    if to_disk:
+        _retire(mngr)
+
+
 def _abandon(mngr: CheckpointManager, step: int, tmp_name: str) -> None:
     """Forgets a save that failed (on every rank) where it did not commit, and removes what it
     wrote (rank 0): a persisted save whose memory copy committed keeps it."""
@@ -151,8 +252,8 @@ def _abandon(mngr: CheckpointManager, step: int, tmp_name: str) -> None:
             memory.steps.remove(step)
     if mngr._ranks.leader:
         remove(mngr._dir / tmp_name)
-        if memory is not None:
-            remove(memory.path / tmp_name)
+    if memory is not None:  # each rank's own tier with several ranks
+        remove(memory.path / tmp_name)
 
 
 def _retire(mngr: CheckpointManager) -> None:

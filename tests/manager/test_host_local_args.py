@@ -61,12 +61,12 @@ def test_host_local_in_one_process_saves_and_restores_as_usual(tmp_path):
 def test_a_memory_tier_on_a_directory_several_processes_share_is_refused(
     tmp_path, memory, monkeypatch
 ):
-    # The refusal needs only the process count (a real 2-process job: test_multiprocess_memory).
+    # Refused from the process count alone, before anything is made: a patched count will do.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(
         ValueError,
         match=r"memory=: the memory tier supports one process; this job has 2\. "
-        r"Pass host_local=True .*a durable= tier",
+        r"Pass host_local=True \(a memory tier per process\) with a durable= tier",
     ):
         _open(tmp_path / "ckpt", memory=memory)
     assert not (tmp_path / "ckpt").exists()

@@ -308,20 +308,6 @@ def test_a_torn_torch_memory_copy_is_never_listed(tmp_path, memory):
         assert mngr.restored_tier == "memory"
 
 
-def test_several_ranks_are_refused_a_memory_tier(tmp_path, memory, monkeypatch):
-    from cocijax.torch import _manager
-
-    class TwoRanks(_manager.Ranks):
-        def __init__(self):
-            super().__init__()
-            self.world = 2
-
-    monkeypatch.setattr(_manager, "Ranks", TwoRanks)
-    with pytest.raises(ValueError, match="memory=: the memory tier supports one rank; this job"):
-        cjt.CheckpointManager(tmp_path / "ckpt", memory=memory)
-    assert not (tmp_path / "ckpt").exists()
-
-
 # -- kills and reboots, with real processes (both managers) ------------------------------------
 
 

@@ -15,18 +15,15 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
 import pytest
 import torch
-from torch_helpers import ManualClock, SlowStaging, replay
+from torch_helpers import TIMEOUT_S, ManualClock, SlowStaging, launch, replay, run_job
 
 import cocijax as cj
 import cocijax.torch as cjt
@@ -34,7 +31,6 @@ from cocijax.core._retention import BestN
 
 HERE = Path(__file__).parent
 EXAMPLE = HERE.parents[1] / "examples" / "torch_train.py"
-TIMEOUT_S = 300
 # Accuracies of steps 1..8 for best-N: the newest step is the worst but one.
 ACC = [0.5, 0.875, 0.625, 0.9375, 0.375, 0.75, 0.8125, 0.4375]  # exact in float32
 BEST = BestN(lambda m: m["acc"], max_to_keep=2)
@@ -44,46 +40,6 @@ pytestmark = [
     pytest.mark.xdist_group("torch-ranks"),
     pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning"),
 ]
-
-
-def _torchrun(script: Path, *args: str) -> list[str]:
-    with socket.socket() as s:  # a port nothing listens on right now
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",  # what the `torchrun` command runs
-        "--nproc_per_node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        str(script),
-        *args,
-    ]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the suite's 8 simulated devices are of no use to a rank
-    return env
-
-
-def _launch(script: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
-    """Starts a 2-rank job; its output (both ranks', and torchrun's) on one pipe."""
-    return subprocess.Popen(
-        _torchrun(script, *args),
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen,
-    )
-
-
-def _run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    with _launch(script, *args) as job:
-        out, _ = job.communicate(timeout=TIMEOUT_S)
-    return subprocess.CompletedProcess(job.args, job.returncode, out)
 
 
 def _committed(directory: Path) -> list[int]:
@@ -137,7 +93,7 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
         "ranks": ranks,
         "accuracies": ACC,
     }
-    job = _run(HERE / "_ranks_worker.py", json.dumps(cfg))
+    job = run_job(HERE / "_ranks_worker.py", json.dumps(cfg))
     assert job.returncode == 0, job.stdout[-5000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -200,7 +156,7 @@ def test_ranks_take_rank_0s_decisions_and_restore_their_own_state(tmp_path):
 @pytest.mark.long
 def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     args = ["--steps", "100", "--policy", "fixed", "--every", "10"]
-    reference = _run(EXAMPLE, "--dir", str(tmp_path / "reference"), *args)
+    reference = run_job(EXAMPLE, "--dir", str(tmp_path / "reference"), *args)
     assert reference.returncode == 0, reference.stdout[-5000:]
     assert "fresh run" in reference.stdout and "2 rank(s)" in reference.stdout
     assert _committed(tmp_path / "reference")[-1] == 100  # the final model is kept
@@ -208,7 +164,7 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = ["--dir", str(ckpt), *args]
     # 1. Rank 1 dies by SIGKILL after step 35; torchrun then stops rank 0.
-    crashed = _run(EXAMPLE, *cmd, "--crash-at", "35", "--crash-rank", "1")
+    crashed = run_job(EXAMPLE, *cmd, "--crash-at", "35", "--crash-rank", "1")
     assert crashed.returncode != 0
     assert "rank 1: simulated crash after step 35" in crashed.stdout
     assert "done:" not in crashed.stdout
@@ -216,7 +172,7 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     assert first and set(first) <= {10, 20, 30}
 
     # 2. The resumed job is killed whole, launcher and ranks, right after a save started.
-    launcher = _launch(EXAMPLE, *cmd, start_new_session=True)
+    launcher = launch(EXAMPLE, *cmd, start_new_session=True)
     lines, killed_at = [], None
     try:
         for line in launcher.stdout:
@@ -238,7 +194,7 @@ def test_a_two_rank_job_killed_and_restarted_resumes_bit_exact(tmp_path):
     assert first[-1] < killed_at and set(second) - set(first) <= {killed_at}
 
     # 3. Restarted again, it finishes with exactly the uninterrupted job's parameters.
-    final = _run(EXAMPLE, *cmd)
+    final = run_job(EXAMPLE, *cmd)
     assert final.returncode == 0, final.stdout[-5000:]
     assert f"resumed from step {second[-1]}" in final.stdout
     assert _digest(final.stdout) == _digest(reference.stdout)
@@ -267,7 +223,7 @@ def _rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
 
 def _signal_after_first_save(cmd: list[str], target) -> subprocess.CompletedProcess[str]:
     """Runs a 2-rank job of the example and SIGTERMs ``target(launcher)`` once it has saved."""
-    launcher = _launch(EXAMPLE, *cmd)
+    launcher = launch(EXAMPLE, *cmd)
     watchdog = threading.Timer(TIMEOUT_S, _kill_job, (launcher,))
     watchdog.start()
     lines = []

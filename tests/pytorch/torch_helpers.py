@@ -1,12 +1,20 @@
-"""What the PyTorch tests share: a scripted clock and the policy replayed on known inputs."""
+"""What the PyTorch tests share: a scripted clock, the policy replayed on known inputs, and
+2-rank ``torchrun`` jobs (gloo on CPU, 127.0.0.1)."""
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+
+TIMEOUT_S = 300  # a 2-rank job's bound
 
 
 class ManualClock:
@@ -61,3 +69,44 @@ def replay(
         if saves[-1]:
             cost, timed = cost_s, True
     return saves, state
+
+
+def _torchrun(script: Path, *args: str) -> list[str]:
+    with socket.socket() as s:  # a port nothing listens on right now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",  # what the `torchrun` command runs
+        "--nproc_per_node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(script),
+        *args,
+    ]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the suite's 8 simulated devices are of no use to a rank
+    return env
+
+
+def launch(script: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    """Starts a 2-rank job; its output (both ranks', and torchrun's) on one pipe."""
+    return subprocess.Popen(
+        _torchrun(script, *args),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
+
+
+def run_job(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs a 2-rank job to its end (at most ``TIMEOUT_S``); its output on one pipe."""
+    with launch(script, *args) as job:
+        out, _ = job.communicate(timeout=TIMEOUT_S)
+    return subprocess.CompletedProcess(job.args, job.returncode, out)
