@@ -187,8 +187,7 @@ def check_arguments(
         retention = Retention(rule, max_to_keep=None)
     signals = check_signals(preemption_signals)
     make_driver = manager_driver(policy, prior_mtbf_s, clock=clock)
-    # Host-local, each process has a memory tier of its own; one shared directory's step is one
-    # Orbax commit, which per-process memory copies cannot join (docs/manager.md, Limits).
+    # Host-local only: one shared directory's step is one Orbax commit (docs/manager.md, Limits).
     hint = "Pass host_local=True (a memory tier per process) with a durable= tier, or no memory=."
     processes = 1 if host_local else jax.process_count()
     memory_options = check_memory(memory, memory_bytes, path, processes=processes, hint=hint)
