@@ -23,15 +23,17 @@ from typing import TYPE_CHECKING
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM
 from cocijax.manager._tier_layout import COMMIT_KEY, STEP_FILES, make_record, read_record
+from cocijax.manager._tier_lease import LeaseError
 from cocijax.manager._tier_options import DurableTierError
 from cocijax.storage import _codec, _parts
+from cocijax.storage._kvpath import describe_error, is_transient
 from cocijax.storage._manifest_io import write_manifest
 from cocijax.storage._records import MANIFEST_NAME, STRIPE_PREFIX
 
 if TYPE_CHECKING:
     from cocijax.manager._tiers import DurableTier
 
-__all__ = ["AlreadyCommitted", "clean_failed", "drain_step", "part_name"]
+__all__ = ["AlreadyCommitted", "clean_failed", "drain_step", "drain_with_retries", "part_name"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,52 @@ _PARTS_POLL_S = 0.05
 
 class AlreadyCommitted(Exception):
     """The step is committed on the durable tier already (by another writer): not replaced."""
+
+
+def drain_with_retries(tier: DurableTier, step: int) -> None:
+    """Drains ``step`` (the committer first takes the tier's lease, waiting up to
+    ``lease_wait_bound_s``), trying again with backoff after failures that may pass.
+
+    Raises:
+      LeaseError: the lease is held by another writer past the bound, or was lost.
+      Exception: the last attempt's failure, or the first one that will not pass.
+    """
+    if tier.options.committer:
+
+        def waiting(holder: str) -> None:
+            log.warning(
+                "%s: step %d waits (up to %g s) for the durable tier's lease, held by %s",
+                tier.url,
+                step,
+                tier.options.lease_wait_bound_s,
+                holder,
+            )
+
+        tier._lease.acquire(tier.options.lease_wait_bound_s, waiting=waiting)
+        tier._touch()
+    delay = tier.options.backoff_s
+    for attempt in range(1, tier.options.attempts + 1):
+        try:
+            drain_step(tier, step)
+            return
+        except AlreadyCommitted:
+            return
+        except Exception as e:
+            clean_failed(tier, step)
+            last = attempt == tier.options.attempts or tier._abandoned
+            if last or not is_transient(e) or isinstance(e, LeaseError):
+                raise
+            log.warning(
+                "%s: drain of step %d failed (attempt %d of %d: %s); trying again in %g s",
+                tier.url,
+                step,
+                attempt,
+                tier.options.attempts,
+                describe_error(e),
+                delay,
+            )
+        time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
+        delay *= 2
 
 
 def drain_step(tier: DurableTier, step: int) -> None:

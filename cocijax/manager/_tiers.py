@@ -50,7 +50,7 @@ from typing import Any
 
 from cocijax import storage
 from cocijax.manager._directory import STATE_ITEM
-from cocijax.manager._tier_drain import AlreadyCommitted, clean_failed, drain_step
+from cocijax.manager._tier_drain import drain_with_retries
 from cocijax.manager._tier_layout import (
     COMMIT_KEY,
     scan,
@@ -59,7 +59,7 @@ from cocijax.manager._tier_layout import (
 from cocijax.manager._tier_lease import Lease, LeaseError
 from cocijax.manager._tier_options import DurableOptions, DurableTierError, check_durable_args
 from cocijax.manager._tier_read import restore_step
-from cocijax.storage._kvpath import describe_error, is_missing_bucket, is_transient
+from cocijax.storage._kvpath import describe_error, is_missing_bucket
 from cocijax.storage._records import MANIFEST_NAME
 
 __all__ = ["DurableOptions", "DurableTier", "DurableTierError", "open_durable"]
@@ -257,9 +257,7 @@ class DurableTier:
                 self._touch()
             try:
                 if self._wait_for_local_commit(step):
-                    if self.options.committer:
-                        self._acquire_lease(step)
-                    self._drain_with_retries(step)
+                    drain_with_retries(self, step)
                     self._collect_after_drain()
             except Exception as e:  # any failure is this step's: reported, training goes on
                 error = DurableTierError(
@@ -288,45 +286,6 @@ class DurableTier:
                     return False
                 self._cond.wait(_POLL_S)
         return True
-
-    def _acquire_lease(self, step: int) -> None:
-        def waiting(holder: str) -> None:
-            log.warning(
-                "%s: step %d waits (up to %g s) for the durable tier's lease, held by %s",
-                self.url,
-                step,
-                self.options.lease_wait_bound_s,
-                holder,
-            )
-
-        self._lease.acquire(self.options.lease_wait_bound_s, waiting=waiting)
-        self._touch()
-
-    def _drain_with_retries(self, step: int) -> None:
-        """Drains ``step``, trying again (with backoff) after failures that may pass."""
-        delay = self.options.backoff_s
-        for attempt in range(1, self.options.attempts + 1):
-            try:
-                drain_step(self, step)
-                return
-            except AlreadyCommitted:
-                return
-            except Exception as e:
-                clean_failed(self, step)
-                last = attempt == self.options.attempts or self._abandoned
-                if last or not is_transient(e) or isinstance(e, LeaseError):
-                    raise
-                log.warning(
-                    "%s: drain of step %d failed (attempt %d of %d: %s); trying again in %g s",
-                    self.url,
-                    step,
-                    attempt,
-                    self.options.attempts,
-                    describe_error(e),
-                    delay,
-                )
-            time.sleep(delay)  # not progress: close() may give up on the drain meanwhile
-            delay *= 2
 
     def wait(self, *, raise_errors: bool) -> int | None:
         """Blocks until no step waits or drains, or the drain made no progress for
