@@ -364,9 +364,9 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     )
     mngr._driver = opening.make_driver(
         history=mngr._history,
-        # A reader never decides: a compile per opening cost seconds of CPU each (a reader
-        # opening managers in a loop ran long past its loop, compiling).
-        compile_now=not mngr._read_only,
+        # Compiled after the restore (below); never by a reader, which never decides: a
+        # compile per opening cost a reader opening managers in a loop seconds of CPU each.
+        compile_now=False,
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
     )
     mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout, mngr._step_format)
@@ -395,6 +395,8 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         where = "orbax" if latest in mngr._orbax_steps else where
         where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
+    elif not mngr._read_only:  # else the restore starts it, done: the compile's tracing
+        mngr._driver.compile_in_background()  # holds the GIL and XLA a core, which it needs
     mngr._latest_saved = latest
 
 
