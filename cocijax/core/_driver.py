@@ -133,7 +133,7 @@ class PolicyDriver:
         ``None`` checks nothing.
       compile_now: start compiling the policy's update in the background at once (see
         :meth:`compile_in_background`); a read-only manager, which never decides, passes
-        False, and the JAX manager, which starts it once its opening and restore are done.
+        False, and the JAX manager, which starts it at the first save after a restart.
       drain_s: how long the last drain to a durable tier took (the JAX manager's tier), for
         :meth:`measurements`; ``None`` without a durable tier.
 
@@ -201,9 +201,8 @@ class PolicyDriver:
     def compile_in_background(self) -> None:
         """Starts compiling the policy's update in a thread, once (later calls do nothing).
 
-        Before the first check step, so that no training step is charged for it, and in a
-        thread: a restarted job compiles its training step meanwhile (measured in chaos_bench).
-        With the state the runner holds then (a restored one: no ``policy.init()`` to run).
+        In a thread, so that the steps before the first check step run meanwhile; with the
+        state the runner holds then (a restored one: no ``policy.init()`` to run).
         """
         if not self._compiling:
             self._compiling = True

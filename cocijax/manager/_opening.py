@@ -364,7 +364,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     )
     mngr._driver = opening.make_driver(
         history=mngr._history,
-        # Compiled after the restore (below); never by a reader, which never decides: a
+        # Compiled from the first save on (below); never by a reader, which never decides: a
         # compile per opening cost a reader opening managers in a loop seconds of CPU each.
         compile_now=False,
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
@@ -395,8 +395,8 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         where = "orbax" if latest in mngr._orbax_steps else where
         where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
-    elif not mngr._read_only:  # else the restore starts it, done: the compile's tracing
-        mngr._driver.compile_in_background()  # holds the GIL and XLA a core, which it needs
+    elif not mngr._read_only:  # else the first save: a restart's restore and own compile
+        mngr._driver.compile_in_background()  # waited for its GIL and core (resume_bench)
     mngr._latest_saved = latest
 
 

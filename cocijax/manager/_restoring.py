@@ -68,22 +68,14 @@ def restore(
     Host-local with memory tiers, the newest step is restored together: a process that could
     not restore it from any of its copies (its memory copy damaged, a level-1 step) makes every
     process restore the next newest step instead (``_hosts.restore_together``).
-
-    A writer's policy starts compiling once it returns (with the policy state it restored),
-    not at the opening: the compile's tracing holds the GIL and XLA a core, which the restore
-    needs; the job's own compile overlaps it.
     """
     here = functools.partial(
         _restore_here, mngr, step, target,
         fallback=fallback, extra=extra, partial=partial, tier=tier,
     )  # fmt: skip
-    try:
-        if step is None and mngr._host_local and mngr._memory is not None:
-            return restore_together(mngr, here, damage=(*_DAMAGE, OSError))
-        return here()
-    finally:
-        if not mngr._read_only:
-            mngr._driver.compile_in_background()
+    if step is None and mngr._host_local and mngr._memory is not None:
+        return restore_together(mngr, here, damage=(*_DAMAGE, OSError))
+    return here()
 
 
 def _restore_here(
