@@ -132,8 +132,8 @@ class PolicyDriver:
         :class:`cocijax.policies.Runner`); default: one all-gather among JAX's processes;
         ``None`` checks nothing.
       compile_now: start compiling the policy's update in the background at once (see
-        :meth:`cocijax.policies.Runner.compile`); a read-only manager, which never decides,
-        passes False.
+        :meth:`compile_in_background`); a read-only manager, which never decides, passes
+        False, and the JAX manager, which starts it at the first save after a restart.
       drain_s: how long the last drain to a durable tier took (the JAX manager's tier), for
         :meth:`measurements`; ``None`` without a durable tier.
 
@@ -166,10 +166,9 @@ class PolicyDriver:
         check_policy(policy)
         self.policy = policy
         self.runner = Runner(policy, broadcast=broadcast, same_steps=same_steps)
+        self._compiling = False  # compile_in_background was called
         if compile_now:
-            # Now, so that no training step is charged for it, and in a thread: a restarted
-            # job restores and compiles its training step meanwhile (measured in chaos_bench).
-            self.runner.compile(background=True)
+            self.compile_in_background()
         self.history = history
         # A finished job keeps its final state (and a rerun of it has nothing left to train).
         self._final_step = getattr(policy, "total_steps", None) if save_final_step else None
@@ -198,6 +197,16 @@ class PolicyDriver:
         self._mark: float | None = None  # end of the previous call; None: the next is untimed
         self._saved_last = False  # the previous decision was "save" (cost_from_intervals)
         self._last: tuple[Any, dict, float] = (math.nan, {}, math.nan)  # see measurements
+
+    def compile_in_background(self) -> None:
+        """Starts compiling the policy's update in a thread, once (later calls do nothing).
+
+        In a thread, so that the steps before the first check step run meanwhile; with the
+        state the runner holds then (a restored one: no ``policy.init()`` to run).
+        """
+        if not self._compiling:
+            self._compiling = True
+            self.runner.compile(background=True)
 
     @property
     def state(self) -> Any:

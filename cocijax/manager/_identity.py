@@ -56,9 +56,16 @@ def open_identity(directory: Path, roots: Sequence[Path | storage.KvPath]) -> Id
       roots: its external roots (the namespace folders are made below them).
 
     Returns:
-      The identity, its epoch bumped and written durably into the directory and every root.
+      The identity, its epoch bumped and written durably into the directory and every root;
+      without roots, the directory's identity as it is (written only if it has none).
     """
-    identity = read_identity(directory) or Identity(_legacy_id(directory) or new_id(), 0)
+    identity = read_identity(directory)
+    if identity is not None and not roots:
+        # The epoch orders the directory against its owner records on the roots: without
+        # roots there is nothing to order, and the opening writes (and syncs) nothing. Bumped
+        # only with the records, it also keeps a copy opened without roots from catching up.
+        return identity
+    identity = identity or Identity(_legacy_id(directory) or new_id(), 0)
     owners = [(root, _read_owner(root / identity.namespace)) for root in roots]
     newer = [(root, owner) for root, owner in owners if owner and owner["epoch"] > identity.epoch]
     if newer:

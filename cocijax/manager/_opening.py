@@ -366,9 +366,9 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
     )
     mngr._driver = opening.make_driver(
         history=mngr._history,
-        # A reader never decides: a compile per opening cost seconds of CPU each (a reader
-        # opening managers in a loop ran long past its loop, compiling).
-        compile_now=not mngr._read_only,
+        # Compiled from the first save on (below); never by a reader, which never decides: a
+        # compile per opening cost a reader opening managers in a loop seconds of CPU each.
+        compile_now=False,
         drain_s=None if mngr._durable is None else (lambda: mngr._durable.drain_s),
     )
     mngr.orbax = orbax_manager(opening, mngr._stripe_roots, layout, mngr._step_format)
@@ -397,6 +397,8 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
         where = "orbax" if latest in mngr._orbax_steps else where
         where = "memory" if latest in mngr.memory_steps() else where
         load_policy(mngr, latest, where=where, stacklevel=3, history=True)
+    elif not mngr._read_only:  # else the first save: a restart's restore and own compile
+        mngr._driver.compile_in_background()  # waited for its GIL and core (resume_bench)
     mngr._latest_saved = latest
 
 

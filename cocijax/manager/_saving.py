@@ -71,6 +71,8 @@ def save_step(
     step = check_step(step)
     check_step_order(step, mngr._latest_saved, mngr._driver.step, mngr._directory)
     mngr._adopted = None  # the driver moves on from the state it adopted
+    # A restart's policy compiles from here on, with the state it restored (open_directory).
+    mngr._driver.compile_in_background()
     loss = stage_loss(loss)
     if mngr._driver.wants_state_size:  # once: the cost assumed until a save is timed
         mngr._driver.state_size(tree_nbytes(state))

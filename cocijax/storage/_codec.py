@@ -15,7 +15,7 @@ import json
 import pathlib
 from typing import Any
 
-from cocijax._digest import canonical_bytes, check_digest
+from cocijax._digest import bytes_match_digest, canonical_bytes, check_digest
 from cocijax.storage import _schema
 from cocijax.storage._kvpath import KvPath
 from cocijax.storage._records import (
@@ -74,7 +74,7 @@ def _leaf_json(leaf: LeafRecord) -> dict[str, Any]:
     return data
 
 
-def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
+def _from_json(data: Any, source: str, *, digest_checked: bool) -> Manifest:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointFormatError(
             f"{source} is not a cocijax manifest: expected a JSON object with format={FORMAT!r}."
@@ -124,7 +124,7 @@ def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
         raise CheckpointFormatError(f"{source} is malformed: {e!r}.") from e
     _schema.check_manifest(manifest, source)
-    if not check_digest(data):
+    if not (digest_checked or check_digest(data)):
         raise CheckpointFormatError(
             f"{source} does not match its digest: it was changed after it was written."
         )
@@ -133,6 +133,9 @@ def _from_json(data: Any, source: str = "<manifest>") -> Manifest:
 
 def decode_manifest(raw: bytes, source: str) -> Manifest:
     """The manifest (or part) in the file bytes ``raw``, read from ``source``, checked.
+
+    The digest is checked over ``raw`` itself when it is a file as :func:`encode_manifest`
+    writes it; otherwise (an older writer's) over the parsed document, written back as JSON.
 
     Raises:
       CheckpointFormatError: ``raw`` is not a cocijax manifest of this version, breaks the
@@ -144,7 +147,7 @@ def decode_manifest(raw: bytes, source: str) -> Manifest:
         raise CheckpointFormatError(f"{source} is not valid JSON: {e}.") from None
     except (RecursionError, ValueError) as e:  # nesting too deep; an integer of 4300+ digits
         raise CheckpointFormatError(f"{source} cannot be a cocijax manifest: {e}.") from None
-    return _from_json(data, source=source)
+    return _from_json(data, source, digest_checked=bytes_match_digest(raw))
 
 
 def encode_manifest(item_dir: pathlib.Path | KvPath, manifest: Manifest) -> bytes:

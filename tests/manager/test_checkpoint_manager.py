@@ -460,6 +460,25 @@ def test_only_a_writer_compiles_its_policy_when_it_opens(tmp_path, monkeypatch):
     assert compiles == [{"background": True}]
 
 
+def test_a_restarted_policy_compiles_from_the_first_save_with_the_state_restored(
+    tmp_path, monkeypatch
+):
+    # Compiling from the opening on competed with the opening, the restore and the job's own
+    # compilation for the GIL and the cores (resume_bench: the time to the first step), and
+    # ran policy.init() for a state the opening replaced at once.
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(3)) as mngr:
+        run_steps(mngr, FakeClock(), 1, 3, np.ones(3))
+    compiled_with = []
+    record = lambda self, **kw: compiled_with.append((kw, self._state))
+    monkeypatch.setattr(cj.policies.Runner, "compile", record)
+    with cj.CheckpointManager(tmp_path / "ck", policy=cj.policies.fixed(3)) as mngr:
+        mngr.restore(target={"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
+        assert compiled_with == []
+        run_steps(mngr, FakeClock(), 4, 6, np.ones(6))
+        [(kw, state)] = compiled_with  # once, at the first save
+        assert kw == {"background": True} and int(state.clock.next_check) == 6  # step 3's
+
+
 def test_synchronous_saves_commit_and_restore(tmp_path):
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     with cj.CheckpointManager(

@@ -173,6 +173,25 @@ def test_a_copy_of_a_directory_takes_its_own_identity(tmp_path):
         _assert_bit_equal(mngr.restore(3, target=_abstract(_state(3))), _state(3))
 
 
+def test_a_copy_is_told_apart_after_its_original_was_opened_without_its_roots(tmp_path):
+    # Every writer's opening bumped the directory's epoch, with roots or without: an original
+    # opened once without its roots caught up with the epoch its copy had written on the
+    # roots, took the copy's identity at its next opening with them, and collected the
+    # stripes of the copy's step 2.
+    root = tmp_path / "root"
+    with _manager(tmp_path / "orig", roots=[root]) as mngr:
+        mngr.save(1, _state(1), loss=1.0, force=True)
+    shutil.copytree(tmp_path / "orig", tmp_path / "copy", symlinks=True)
+    with _manager(tmp_path / "copy", roots=[root]) as mngr:
+        mngr.save(2, _state(22), loss=1.0, force=True)
+    _manager(tmp_path / "orig").close()
+    with _manager(tmp_path / "orig", roots=[root], max_to_keep=1) as mngr:
+        mngr.save(2, _state(2), loss=1.0, force=True)
+        mngr.save(3, _state(3), loss=1.0, force=True)
+    with _manager(tmp_path / "copy", roots=[root]) as mngr:
+        _assert_bit_equal(mngr.restore(2, target=_abstract(_state(22))), _state(22))
+
+
 def test_a_dangling_symlink_as_directory_is_named(tmp_path):
     link = tmp_path / "ck"
     link.symlink_to(tmp_path / "gone")

@@ -165,3 +165,25 @@ def test_manifest_json_is_plain_and_versioned(saved):
     }  # fmt: skip
     assert data["pieces"]
     assert all({"root", "file", "start", "stop", "checksum"} <= set(p) for p in data["pieces"])
+
+
+def test_a_manifest_as_written_is_checked_by_its_bytes_and_any_other_by_its_document(
+    saved, monkeypatch
+):
+    # Decoding wrote the parsed manifest back as JSON to check its digest, although the bytes
+    # of a file as written match it directly (for 1024 leaves, a third of the decode).
+    _, item = saved
+    path = item / MANIFEST_NAME
+    raw = path.read_bytes()
+    written_back = []
+    check = _codec.check_digest
+    monkeypatch.setattr(_codec, "check_digest", lambda d: written_back.append(1) or check(d))
+    assert _codec.decode_manifest(raw, str(path)).leaves
+    assert written_back == []
+    # The same document laid out by another writer: its digest is checked over the document.
+    data = json.loads(raw)
+    assert _codec.decode_manifest(json.dumps(data, indent=1).encode(), str(path)).leaves
+    assert written_back == [1]
+    data["leaves"][0]["path"] += " "  # still a valid manifest: only the digest tells
+    with pytest.raises(cj.storage.CheckpointFormatError, match="does not match its digest"):
+        _codec.decode_manifest(json.dumps(data, indent=1).encode(), str(path))
