@@ -43,6 +43,7 @@ __all__ = [
     "collect",
     "delete_step",
     "local_steps",
+    "save_in_flight",
     "save_step",
     "settle",
     "tidy",
@@ -211,6 +212,13 @@ def apply_retention(mngr: CheckpointManager) -> None:
     for step in mngr._best.drop(mngr._local_steps(), mngr.orbax.metrics, keep=keep):
         mngr.orbax.delete(step)
         mngr._committed.discard(step)
+
+
+def save_in_flight(mngr: CheckpointManager) -> bool:
+    """Whether a save has started and not yet committed (with a memory tier, a persisted
+    step's copy to the disk too); safe from any thread."""
+    copying = mngr._copy is not None and mngr._copy.step is not None
+    return copying or mngr.orbax.is_saving_in_progress()
 
 
 def wait_for_save(mngr: CheckpointManager, *, copy: bool = True) -> None:
