@@ -40,7 +40,14 @@ from typing import Any, final
 from cocijax import _files, storage
 from cocijax.manager._directory import STATE_ITEM, STEP_RE, TMP_MARK, TRASH_DIR
 
-__all__ = ["QUARANTINE_DIR", "QUARANTINE_KEEP", "Remover", "collect_garbage", "quarantine"]
+__all__ = [
+    "QUARANTINE_DIR",
+    "QUARANTINE_KEEP",
+    "WAITING_BATCHES",
+    "Remover",
+    "collect_garbage",
+    "quarantine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,16 @@ QUARANTINE_DIR = ".cocijax-quarantine"
 # the data inside the step directories each one holds a whole state.
 QUARANTINE_KEEP = 2
 _REASON = "cocijax-quarantine.txt"
+
+# How many collections' garbage (the newest) may wait for the save in flight. Each may hold a
+# dropped step: with saves back to back, the disk holds this many dropped steps besides what
+# retention keeps, and a removal still runs beside each write.
+WAITING_BATCHES = 1
+
+# How often a deferred removal asks whether the save in flight has committed: the question
+# takes a lock and reads a flag, and a removal starting this late still has the time
+# between saves.
+_POLL_S = 0.02
 
 
 def quarantine(step_dir: Path, reason: str) -> Path:
@@ -133,15 +150,16 @@ class Remover:
     sight already, so removing it races nothing; a crash in the middle leaves it where the
     next collection finds it again. A removal that fails is logged and tried again then.
 
-    Nor does the next save: garbage is found when a save starts (no other save is in flight
-    then), and removing it while that save writes slowed the write, which the following save
-    waits for (on a local disk each unlink holds the file system's journal, which the write's
-    fsyncs need; on an object store the deletions share the store with the write's requests).
-    So the newest batch (one :meth:`remove` call) waits while ``writing()`` says a save is in
-    flight, and is removed once it has committed, in the time between saves; a local tree
-    stops between two files when a write starts. The wait is bounded: when a newer batch
-    comes (saves back to back, never a moment between them), the older ones are removed at
-    once, so at most one collection's garbage waits; and :meth:`wait` removes at once.
+    Nor does the next save, where it can be helped: garbage is found when a save starts (no
+    other save is in flight then), and removing it while that save wrote slowed the write,
+    which the following save waits for (the file system's share of a deletion runs in kernel
+    threads, beyond this thread's nice value; an object store serves the deletions beside the
+    write's requests). So the newest batches (one :meth:`remove` call each, see
+    :data:`WAITING_BATCHES`) wait while ``writing()`` says a save is in flight and are removed
+    once it has committed, in the time between saves; a local tree stops between two files
+    when a write starts. The wait is bounded: older batches (saves back to back, never a
+    moment between them) are removed at once, and so is everything once :meth:`wait` is
+    called.
     """
 
     def __init__(self, writing: Callable[[], bool] = lambda: False) -> None:
@@ -152,7 +170,7 @@ class Remover:
         self._writing = writing
         self._cond = threading.Condition()
         self._queue: list[tuple[Any, int]] = []  # (path, batch)
-        self._batch = 0  # the newest batch; only it yields to a save in flight
+        self._batch = 0  # the newest batch; it and the WAITING_BATCHES - 1 before it yield
         self._waiters = 0  # callers of wait(): then nothing yields
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -205,10 +223,11 @@ class Remover:
                     self._cond.notify_all()
 
     def _yield_to_save(self, batch: int) -> None:
-        """Returns once no save is in flight, or once ``batch`` must not wait any more."""
+        """Returns once no save is in flight, or once ``batch`` may not wait any more (newer
+        batches came, or someone waits for the removals)."""
         while True:
             with self._cond:
-                if batch != self._batch or self._waiters:
+                if self._batch - batch >= WAITING_BATCHES or self._waiters:
                     return
             # Asked without the lock: the answer takes the manager's own locks.
             if not self._save_in_flight():
@@ -222,12 +241,6 @@ class Remover:
         except Exception as e:  # a closed manager, say: removing cannot wait on it
             log.debug("cannot tell whether a save is in flight (%s): removing", e)
             return False
-
-
-# How often a deferred removal asks whether the save in flight has committed: the question
-# takes a lock and reads a flag, and a removal starting this late still has the time
-# between saves.
-_POLL_S = 0.02
 
 
 def _yield_to_training() -> None:
