@@ -265,8 +265,17 @@ def _remove(path: Any, pause: Callable[[], None]) -> None:
             _remove_local(Path(path), pause)
     except (OSError, ValueError) as e:  # out of sight: nothing lost; found again next time
         log.warning("cannot remove %s (%s); trying again at the next collection", path, e)
-    else:
-        log.debug("removed %s", path)
+        return
+    log.debug("removed %s", path)
+    if not isinstance(path, storage.KvPath):
+        # The file system's share of the deletion (its journal commit, and the discards of the
+        # freed blocks on a file system mounted with ``discard``) waits for the next fsync,
+        # which was the next save's: paid here instead, while no save is in flight.
+        pause()
+        try:
+            _files.fsync_dir(Path(path).parent)
+        except OSError as e:  # removed all the same; durable with the next commit
+            log.debug("cannot fsync %s after a removal (%s)", Path(path).parent, e)
 
 
 def _remove_local(path: Path, pause: Callable[[], None]) -> None:
