@@ -256,7 +256,8 @@ def _yield_to_training() -> None:
 
 
 def _remove(path: Any, pause: Callable[[], None]) -> None:
-    """Removes ``path``, calling ``pause`` first (and, for a local tree, before each file)."""
+    """Removes ``path``, calling ``pause`` first (and, for a local tree, before each file and
+    before the fsync of the folder that held it)."""
     try:
         pause()
         if isinstance(path, storage.KvPath):
