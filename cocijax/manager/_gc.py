@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, final
 
@@ -155,11 +155,11 @@ class Remover:
     which the following save waits for (the file system's share of a deletion runs in kernel
     threads, beyond this thread's nice value; an object store serves the deletions beside the
     write's requests). So the newest batches (one :meth:`remove` call each, see
-    :data:`WAITING_BATCHES`) wait while ``writing()`` says a save is in flight and are removed
-    once it has committed, in the time between saves; a local tree stops between two files
-    when a write starts. The wait is bounded: older batches (saves back to back, never a
-    moment between them) are removed at once, and so is everything once :meth:`wait` is
-    called.
+    :data:`WAITING_BATCHES`) wait while ``writing()`` says a save is in flight, or while one
+    starts (:meth:`starting_save`), and are removed once it has committed, in the time between
+    saves; a local tree stops between two files when a write starts. The wait is bounded:
+    older batches (saves back to back, never a moment between them) are removed at once, and
+    so is everything once :meth:`wait` is called.
     """
 
     def __init__(self, writing: Callable[[], bool] = lambda: False) -> None:
@@ -172,6 +172,7 @@ class Remover:
         self._queue: list[tuple[Any, int]] = []  # (path, batch)
         self._batch = 0  # the newest batch; it and the WAITING_BATCHES - 1 before it yield
         self._waiters = 0  # callers of wait(): then nothing yields
+        self._starting = 0  # saves starting (starting_save): the newest batches wait
         self._busy = False
         self._thread: threading.Thread | None = None
 
@@ -190,6 +191,19 @@ class Remover:
                 )
                 self._thread.start()
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def starting_save(self) -> Iterator[None]:
+        """Holds the newest batches while a save starts: its garbage is found (no save in
+        flight then) before its write is, and nothing of it is removed in between."""
+        with self._cond:
+            self._starting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify_all()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Removes everything queued now (nothing yields to a save) and blocks until it is
@@ -229,8 +243,9 @@ class Remover:
             with self._cond:
                 if self._batch - batch >= WAITING_BATCHES or self._waiters:
                     return
+                starting = self._starting > 0
             # Asked without the lock: the answer takes the manager's own locks.
-            if not self._save_in_flight():
+            if not starting and not self._save_in_flight():
                 return
             with self._cond:
                 self._cond.wait(_POLL_S)  # remove() and wait() wake it early

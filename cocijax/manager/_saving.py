@@ -132,7 +132,8 @@ def write_step(
     # it is released whatever happens here, so that no future waits for ever.
     ready = threading.Event()
     try:
-        with mngr._driver.saving(level) as measured:
+        # Held from before the garbage is found until Orbax's save is in flight (see Remover).
+        with mngr._driver.saving(level) as measured, mngr._remover.starting_save():
             # A still-running save is a real stall: timed. So is the wait for a disk copy
             # this save cannot start beside (billed to this save: see _must_wait_for_copy).
             settle(mngr, copy=False)

@@ -6,6 +6,7 @@ waits for; the remover now waits until the save in flight commits, within a boun
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -78,6 +79,20 @@ def test_an_older_removal_waits_no_more_once_a_newer_one_comes(tmp_path):
     assert not newer.exists()
 
 
+def test_a_removal_waits_while_a_save_starts(tmp_path):
+    # Between finding its garbage and Orbax's save being in flight, a save is not "writing"
+    # yet; what it found must not start going then.
+    writing = Writing()
+    writing.in_flight = False
+    remover = Remover(writing)
+    dropped = tree(tmp_path / "dropped")
+    with remover.starting_save():
+        remover.remove([dropped])
+        time.sleep(0.1)  # the remover's thread has every chance to start meanwhile
+        assert (dropped / "a" / "b" / "z").exists()
+    assert gone(dropped)
+
+
 def test_a_removal_does_not_wait_on_a_predicate_that_fails(tmp_path):
     def writing() -> bool:
         raise RuntimeError("the manager is closed")
@@ -99,7 +114,7 @@ def test_the_dropped_step_is_not_removed_while_the_next_save_writes(tmp_path, mo
         if Path(directory).parent.name.split(".")[0] == "3":
             entered.set()
             while not release.is_set():
-                await _sleep(0.005)
+                await asyncio.sleep(0.005)
         return await commit(self, directory, snapshot)
 
     monkeypatch.setattr(_commit.Writer, "commit", held_commit)
@@ -118,9 +133,3 @@ def test_the_dropped_step_is_not_removed_while_the_next_save_writes(tmp_path, mo
         assert not removed_in_flight, "step 1's stripe was removed while step 3 was saving"
         assert not stripe_1.exists()  # and removed once step 3 committed
         assert mngr.all_steps() == [3]
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
