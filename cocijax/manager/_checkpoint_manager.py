@@ -446,8 +446,7 @@ class CheckpointManager:
         step's copy to the disk too).
         """
         self._check_open()
-        copying = self._copy is not None and self._copy.step is not None
-        return copying or self.orbax.is_saving_in_progress()
+        return _saving.save_in_flight(self)
 
     def close(self, *, timeout_s: float | None = None) -> None:
         """Waits for the running save, collects garbage, closes Orbax and releases the lock.

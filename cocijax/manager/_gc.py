@@ -20,26 +20,34 @@ What a directory may hold besides its committed steps, and what becomes of it:
   by name, from each manifest's raw bytes, damaged ones included).
 
 Finding the garbage is quick and happens while no save is in flight (:func:`collect_garbage`);
-removing it is slow and happens in a thread of its own (:class:`Remover`), so training never
-waits for a deletion.
+removing it is slow and happens in a thread of its own (:class:`Remover`) once the save that
+followed has committed, so neither training nor the next save waits for a deletion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, final
 
 from cocijax import _files, storage
 from cocijax.manager._directory import STATE_ITEM, STEP_RE, TMP_MARK, TRASH_DIR
 
-__all__ = ["QUARANTINE_DIR", "QUARANTINE_KEEP", "Remover", "collect_garbage", "quarantine"]
+__all__ = [
+    "QUARANTINE_DIR",
+    "QUARANTINE_KEEP",
+    "WAITING_BATCHES",
+    "Remover",
+    "collect_garbage",
+    "quarantine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,16 @@ QUARANTINE_DIR = ".cocijax-quarantine"
 # the data inside the step directories each one holds a whole state.
 QUARANTINE_KEEP = 2
 _REASON = "cocijax-quarantine.txt"
+
+# How many collections' garbage (the newest) may wait for the save in flight. Each may hold a
+# dropped step: with saves back to back, the disk holds this many dropped steps besides what
+# retention keeps, and a removal still runs beside each write.
+WAITING_BATCHES = 1
+
+# How often a deferred removal asks whether the save in flight has committed: the question
+# takes a lock and reads a flag, and a removal starting this late still has the time
+# between saves.
+_POLL_S = 0.02
 
 
 def quarantine(step_dir: Path, reason: str) -> Path:
@@ -125,26 +143,48 @@ def collect_garbage(directory: Path, stripe_roots: Sequence[Path | storage.KvPat
 
 @final
 class Remover:
-    """Removes what :func:`collect_garbage` found, in a thread of its own.
+    """Removes what :func:`collect_garbage` found, in a thread of its own, between saves.
 
     Training does not wait for a deletion (a dropped step of the data inside its directory
     is a whole state; on an object store, a request per object). What it is given is out of
     sight already, so removing it races nothing; a crash in the middle leaves it where the
     next collection finds it again. A removal that fails is logged and tried again then.
+
+    Nor does the next save, where it can be helped: garbage is found when a save starts (no
+    other save is in flight then), and removing it while that save wrote slowed the write,
+    which the following save waits for (the file system's share of a deletion runs in kernel
+    threads, beyond this thread's nice value; an object store serves the deletions beside the
+    write's requests). So the newest batches (one :meth:`remove` call each, see
+    :data:`WAITING_BATCHES`) wait while ``writing()`` says a save is in flight, or while one
+    starts (:meth:`starting_save`), and are removed once it has committed, in the time between
+    saves; a local tree stops between two files when a write starts. The wait is bounded:
+    older batches (saves back to back, never a moment between them) are removed at once, and
+    so is everything once :meth:`wait` is called.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writing: Callable[[], bool] = lambda: False) -> None:
+        """Args:
+        writing: whether a save is in flight now (called from the remover's thread; it must
+          be cheap and thread-safe). The default never defers.
+        """
+        self._writing = writing
         self._cond = threading.Condition()
-        self._queue: list[Any] = []
+        self._queue: list[tuple[Any, int]] = []  # (path, batch)
+        self._batch = 0  # the newest batch; it and the WAITING_BATCHES - 1 before it yield
+        self._waiters = 0  # callers of wait(): then nothing yields
+        self._starting = 0  # saves starting (starting_save): the newest batches wait
         self._busy = False
         self._thread: threading.Thread | None = None
 
     def remove(self, paths: Sequence[Any]) -> None:
         """Queues ``paths`` (local directories or object-store prefixes) for removal."""
-        if not paths:
-            return
         with self._cond:
-            self._queue.extend(p for p in paths if p not in self._queue)
+            queued = [p for p, _ in self._queue]
+            paths = [p for p in paths if p not in queued]
+            if not paths:
+                return
+            self._batch += 1
+            self._queue.extend((p, self._batch) for p in paths)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="cocijax-remover", daemon=True
@@ -152,15 +192,34 @@ class Remover:
                 self._thread.start()
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def starting_save(self) -> Iterator[None]:
+        """Holds the newest batches while a save starts: its garbage is found (no save in
+        flight then) before its write is, and nothing of it is removed in between."""
+        with self._cond:
+            self._starting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify_all()
+
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Blocks until everything queued is removed; False if ``timeout_s`` ran out first."""
+        """Removes everything queued now (nothing yields to a save) and blocks until it is
+        removed; False if ``timeout_s`` ran out first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._waiters += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def _run(self) -> None:
@@ -169,38 +228,100 @@ class Remover:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                path, self._busy = self._queue.pop(0), True
+                (path, batch), self._busy = self._queue.pop(0), True
             try:
-                _remove(path)
+                _remove(path, functools.partial(self._yield_to_save, batch))
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _yield_to_save(self, batch: int) -> None:
+        """Returns once no save is in flight, or once ``batch`` may not wait any more (newer
+        batches came, or someone waits for the removals)."""
+        while True:
+            with self._cond:
+                if self._batch - batch >= WAITING_BATCHES or self._waiters:
+                    return
+                starting = self._starting > 0
+            # Asked without the lock: the answer takes the manager's own locks.
+            if not starting and not self._save_in_flight():
+                return
+            with self._cond:
+                self._cond.wait(_POLL_S)  # remove() and wait() wake it early
+
+    def _save_in_flight(self) -> bool:
+        try:
+            return bool(self._writing())
+        except Exception as e:  # a closed manager, say: removing cannot wait on it
+            log.debug("cannot tell whether a save is in flight (%s): removing", e)
+            return False
+
 
 def _yield_to_training() -> None:
     """Lowers the calling thread's CPU priority to the lowest (nice 19), where the OS can.
 
-    Removing a dropped step (unlinking its files, or the object store's requests) competed for
-    the CPU with the next save's writes on a small machine, and a save waits for the one before
-    it: ``save()`` blocked ~1.25x as long with ``max_to_keep=1`` as without retention. Linux
-    keeps a nice value per thread, so only this thread yields; elsewhere nothing changes.
+    Removing a dropped step (unlinking its files, or the object store's requests) needs some
+    CPU, which training and a save need more on a small machine. Linux keeps a nice value per
+    thread, so only this thread yields; elsewhere nothing changes.
     """
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _remove(path: Any) -> None:
+def _remove(path: Any, pause: Callable[[], None]) -> None:
+    """Removes ``path``, calling ``pause`` first (and, for a local tree, before each file and
+    before the fsync of the folder that held it)."""
     try:
+        pause()
         if isinstance(path, storage.KvPath):
             path.delete_all()
         else:
-            _files.remove_tree(path)
+            _remove_local(Path(path), pause)
     except (OSError, ValueError) as e:  # out of sight: nothing lost; found again next time
         log.warning("cannot remove %s (%s); trying again at the next collection", path, e)
-    else:
-        log.debug("removed %s", path)
+        return
+    log.debug("removed %s", path)
+    if not isinstance(path, storage.KvPath):
+        # The file system's share of the deletion (its journal commit, and the discards of the
+        # freed blocks on a file system mounted with ``discard``) waits for the next fsync,
+        # which was the next save's: paid here instead, while no save is in flight.
+        pause()
+        try:
+            _files.fsync_dir(Path(path).parent)
+        except OSError as e:  # removed all the same; durable with the next commit
+            log.debug("cannot fsync %s after a removal (%s)", Path(path).parent, e)
+
+
+def _remove_local(path: Path, pause: Callable[[], None]) -> None:
+    """Removes a local tree file by file, deepest first, with ``pause`` before each file.
+
+    Raises:
+      OSError: an entry could not be removed (names it); one already gone is fine.
+    """
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    for folder, dirs, files in os.walk(path, topdown=False, onerror=_raise_unless_gone):
+        for name in files:
+            pause()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+        for name in dirs:  # empty by now, or a symbolic link (never followed)
+            entry = os.path.join(folder, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.islink(entry):
+                    os.unlink(entry)
+                else:
+                    os.rmdir(entry)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
+
+
+def _raise_unless_gone(error: OSError) -> None:
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 def _names(folder: Path) -> list[str]:

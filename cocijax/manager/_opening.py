@@ -53,7 +53,7 @@ from cocijax.manager._memory_tier import MemoryTier
 from cocijax.manager._orbax_steps import OrbaxStep
 from cocijax.manager._policy_item import PolicyStateHandler, PolicyStateRestore, PolicyStateSave
 from cocijax.manager._restoring import load_policy
-from cocijax.manager._saving import collect
+from cocijax.manager._saving import collect, save_in_flight
 from cocijax.manager._tier_options import (
     check_roots_writable,
     check_timeout,
@@ -462,7 +462,8 @@ def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -
     # (step, tier) whose saved policy state the driver holds, as adopted (load_policy).
     mngr._adopted: tuple[int, str] | None = None
     mngr._orbax_steps: dict[int, OrbaxStep] = {}  # steps Orbax's own manager wrote
-    mngr._remover = Remover()  # deletions run off the training thread
+    # Deletions run off the training thread, between saves (see Remover).
+    mngr._remover = Remover(writing=lambda: save_in_flight(mngr))
     mngr._store_timeout_s = opening.store_timeout_s
     mngr._save_started = False
     mngr._best = opening.best

@@ -43,6 +43,7 @@ __all__ = [
     "collect",
     "delete_step",
     "local_steps",
+    "save_in_flight",
     "save_step",
     "settle",
     "tidy",
@@ -133,7 +134,8 @@ def write_step(
     # it is released whatever happens here, so that no future waits for ever.
     ready = threading.Event()
     try:
-        with mngr._driver.saving(level) as measured:
+        # Held from before the garbage is found until Orbax's save is in flight (see Remover).
+        with mngr._driver.saving(level) as measured, mngr._remover.starting_save():
             # A still-running save is a real stall: timed. So is the wait for a disk copy
             # this save cannot start beside (billed to this save: see _must_wait_for_copy).
             settle(mngr, copy=False)
@@ -213,6 +215,13 @@ def apply_retention(mngr: CheckpointManager) -> None:
     for step in mngr._best.drop(mngr._local_steps(), mngr.orbax.metrics, keep=keep):
         mngr.orbax.delete(step)
         mngr._committed.discard(step)
+
+
+def save_in_flight(mngr: CheckpointManager) -> bool:
+    """Whether a save has started and not yet committed (with a memory tier, a persisted
+    step's copy to the disk too); safe from any thread."""
+    copying = mngr._copy is not None and mngr._copy.step is not None
+    return copying or mngr.orbax.is_saving_in_progress()
 
 
 def wait_for_save(mngr: CheckpointManager, *, copy: bool = True) -> None:

@@ -17,7 +17,7 @@ kill ``delay_s`` after the call started, so mid-way through it):
 * ``manifest``: the durable write (tmp file, fsync, rename) of a manifest part or the manifest;
 * ``merge``: the merge of the manifest parts into the manifest (the handler's ``finalize``);
 * ``finalize``: Orbax's commit, the rename of the temporary step directory;
-* ``gc``: ``shutil.rmtree`` of the manager's garbage collection (old steps' stripes, trash);
+* ``gc``: the removal of the manager's garbage (old steps' stripes, trash), file by file;
 * ``random``: the parent kills at a uniformly random instant in the first 1.5 s of an armed
   run that would train much longer (so every kill lands, mostly while saves are in flight).
 
@@ -77,7 +77,7 @@ PHASES: dict[str, tuple[str | list[str], tuple[int, int], tuple[float, float]] |
         (1, 4),
         (0.0, 0.0),
     ),
-    "gc": ("shutil:rmtree", (1, 3), (0.0, 0.002)),
+    "gc": ("cocijax.manager._gc:_remove_local", (1, 3), (0.0, 0.002)),
     "random": None,
 }
 
