@@ -40,6 +40,7 @@ __all__ = [
     "check_budget",
     "check_memory",
     "check_owner",
+    "count_opening",
     "find_tmpfs",
     "lock_folder",
     "mount_of",
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # The directory whose snapshots a memory folder holds (see check_owner).
 _OWNER_FILE = ".cocijax-owner"
+# In a checkpoint directory: how many times a writer opened it (see count_opening).
+OPENINGS_FILE = ".cocijax-openings"
 # File systems whose files live in memory (what ``memory=`` is for).
 _MEMORY_FS = ("tmpfs", "ramfs")
 
@@ -201,8 +204,29 @@ def lock_folder(path: Path) -> DirectoryLock:
     return lock
 
 
-def check_owner(path: Path, directory: Path, epoch: int | None) -> bool:
-    """Records ``directory``, at the opening of ``epoch``, as the owner of the memory folder
+def count_opening(directory: Path) -> int:
+    """Counts a writer's opening of ``directory`` (both managers, with a memory tier or
+    without): the number of openings, this one included.
+
+    The count orders a memory folder's snapshots against the runs that opened the directory
+    since (:func:`check_owner`). It is not the identity's epoch, which orders a directory
+    against its records on the roots and is bumped only with them. Not synced: a machine
+    failure, which may lose the write, empties the memory tier as well; an unreadable count
+    starts again from 0, which makes the snapshots stale (removed), never current.
+    """
+    path = directory / OPENINGS_FILE
+    try:
+        count = int(path.read_text())
+    except (OSError, ValueError):
+        count = 0
+    tmp = path.with_name(OPENINGS_FILE + ".tmp")
+    tmp.write_text(str(count + 1))
+    os.replace(tmp, path)
+    return count + 1
+
+
+def check_owner(path: Path, directory: Path, opening: int | None) -> bool:
+    """Records ``directory``, at its ``opening``-th opening, as the owner of the memory folder
     ``path``, unless another existing directory is: a copy of a directory (the same identity,
     another place) must not take the original's snapshots for its own. A moved directory (the
     recorded owner is gone) takes its folder over.
@@ -210,12 +234,12 @@ def check_owner(path: Path, directory: Path, epoch: int | None) -> bool:
     Args:
       path: the job's memory folder.
       directory: the checkpoint directory.
-      epoch: the directory's identity epoch, as bumped by this opening (a writer's; None:
-        unknown, the snapshots are taken as current).
+      opening: this writer's opening of the directory, as :func:`count_opening` counted it
+        (None: unknown, the snapshots are taken as current).
 
     Returns:
       Whether the folder's snapshots are current: no writer opened the directory since the
-      one that last used this folder (its recorded epoch is the one before ``epoch``, or
+      one that last used this folder (its recorded opening is the one before ``opening``, or
       unknown). Otherwise a run without this memory tier may have resumed from an older step
       and saved the snapshots' step numbers again (see :func:`remove_stale`).
 
@@ -225,7 +249,7 @@ def check_owner(path: Path, directory: Path, epoch: int | None) -> bool:
     record = path / _OWNER_FILE
     try:
         data = json.loads(record.read_bytes())
-        owner, last = Path(data["directory"]), data.get("epoch")
+        owner, last = Path(data["directory"]), data.get("opening")
     except (OSError, ValueError, KeyError, TypeError):
         owner, last = None, None
     if owner is not None and owner.exists() and not _same(owner, directory):
@@ -235,9 +259,9 @@ def check_owner(path: Path, directory: Path, epoch: int | None) -> bool:
             "snapshot): they are not this directory's steps. Give it another memory= folder."
         )
     tmp = record.with_name(_OWNER_FILE + ".tmp")
-    tmp.write_text(json.dumps({"directory": str(directory), "epoch": epoch}))
+    tmp.write_text(json.dumps({"directory": str(directory), "opening": opening}))
     os.replace(tmp, record)
-    return epoch is None or not isinstance(last, int) or last == epoch - 1
+    return opening is None or not isinstance(last, int) or last == opening - 1
 
 
 def remove_stale(path: Path, newest_on_disk: int | None) -> None:

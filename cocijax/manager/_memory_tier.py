@@ -68,7 +68,7 @@ class MemoryTier:
         handlers, data inside the step directories).
       read_only: a reader: nothing is locked, cleaned or written.
       enable_async: Orbax's ``enable_async_checkpointing``.
-      epoch: the directory's identity epoch, as this writer's opening bumped it, and
+      opening: this writer's opening of the directory (``core._memory.count_opening``), and
         ``newest_on_disk`` the directory's newest step: when another writer opened the
         directory since this folder's last, the snapshots not newer than that step are removed
         (``check_owner``, ``remove_stale``).
@@ -87,7 +87,7 @@ class MemoryTier:
         make_manager: Callable[[Path, ocp.CheckpointManagerOptions], ocp.CheckpointManager],
         read_only: bool,
         enable_async: bool,
-        epoch: int | None = None,
+        opening: int | None = None,
         newest_on_disk: int | None = None,
     ):
         self.options = options
@@ -105,7 +105,7 @@ class MemoryTier:
         if not read_only:
             self._lock = lock_folder(self.path)
             try:
-                if not check_owner(self.path, directory, epoch):
+                if not check_owner(self.path, directory, opening):
                     remove_stale(self.path, newest_on_disk)
             except BaseException:
                 self.close()

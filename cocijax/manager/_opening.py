@@ -27,7 +27,7 @@ from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory
 from cocijax.core._identity import read_identity
 from cocijax.core._lock import DirectoryLock
-from cocijax.core._memory import MemoryOptions, check_memory
+from cocijax.core._memory import MemoryOptions, check_memory, count_opening
 from cocijax.core._preemption import PreemptionWatcher, check_signals
 from cocijax.core._retention import BestN, MetricsCheck, Retention
 from cocijax.core._session import run_all
@@ -348,12 +348,15 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
             mngr._directory,
             sorted(mngr._orbax_steps),
         )
-    namespace, epoch = _namespace(mngr)
+    namespace = _namespace(mngr)
+    # Every writer's opening counts: a memory tier's snapshots saved before an opening without
+    # it are not restored (check_owner).
+    count = None if mngr._lock is None else count_opening(mngr._directory)
     if namespace is not None:
         mngr._stripe_roots = tuple(root / namespace for root in mngr._roots)
         if opening.memory is not None:
             newest = max(mngr._committed | set(mngr._orbax_steps), default=None)
-            mngr._memory = _open_memory(opening, namespace, mngr._directory, epoch, newest)
+            mngr._memory = _open_memory(opening, namespace, mngr._directory, count, newest)
     # Only the primary writer marks the directory; every process reads the history saved
     # with the checkpoints (process 0's measurements reach the policy anyway).
     writer = mngr._lock is not None
@@ -403,7 +406,7 @@ def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None)
 
 
 def _open_memory(
-    opening: Opening, namespace: str, directory: Path, epoch: int | None, newest: int | None
+    opening: Opening, namespace: str, directory: Path, count: int | None, newest: int | None
 ) -> MemoryTier:
     """The memory tier, its Orbax manager built as the directory's (data in its steps)."""
 
@@ -421,28 +424,26 @@ def _open_memory(
         make_manager=make_manager,
         read_only=opening.options.read_only,
         enable_async=opening.options.enable_async_checkpointing,
-        epoch=epoch,
+        opening=count,
         newest_on_disk=newest,
     )
 
 
-def _namespace(mngr: CheckpointManager) -> tuple[str | None, int | None]:
-    """The name of this directory's folder on each root (None for a reader without one), and
-    the epoch of this opening (the primary writer's; None elsewhere).
+def _namespace(mngr: CheckpointManager) -> str | None:
+    """The name of this directory's folder on each root (None for a reader without one).
 
     The primary writer reads or makes the directory's identity (``_identity``); the other
     processes of a job take it from the primary, which holds the lock meanwhile.
     """
-    namespace, epoch = None, None
+    namespace = None
     if mngr._lock is not None:
-        identity = open_identity(mngr._directory, mngr._roots)
-        namespace, epoch = identity.namespace, identity.epoch
+        namespace = open_identity(mngr._directory, mngr._roots).namespace
     elif mngr._read_only:
         identity = read_identity(mngr._directory)
         namespace = None if identity is None else identity.namespace
     if jax.process_count() > 1 and not mngr._read_only and not mngr._host_local:
         namespace = from_primary(namespace, is_source=mngr._primary)
-    return namespace, epoch
+    return namespace
 
 
 def open_manager(mngr: CheckpointManager, opening: Opening, age: float | None) -> None:

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from cocijax._files import fsync_dir, remove_tree, replace_bytes
-from cocijax.core._identity import Identity, bump_identity
+from cocijax.core._identity import Identity, bump_identity, read_identity
 from cocijax.core._lock import DirectoryLock
+from cocijax.core._memory import count_opening
 
 __all__ = [
     "FORMAT",
@@ -75,14 +76,17 @@ def scan_steps(directory: Path) -> list[int]:
     return sorted(steps)
 
 
-def open_directory(directory: Path, lock: DirectoryLock) -> tuple[list[int], str, Identity, str]:
+def open_directory(
+    directory: Path, lock: DirectoryLock
+) -> tuple[list[int], str, Identity, int, str]:
     """Rank 0, at opening: makes and locks ``directory``, removes what a crashed run left, lists
-    the steps, bumps the directory's identity.
+    the steps, reads (or makes) the directory's identity and counts the opening.
 
     Returns:
       The committed steps; the run's session (it names the run's temporary directories); the
-      directory's identity, its epoch bumped (it names the memory tier's folder); the run's
-      token (it marks the memory tiers and the directory).
+      directory's identity (it names the memory tier's folder); this opening's count
+      (``core._memory.count_opening``); the run's token (it marks the memory tiers and the
+      directory).
 
     Raises:
       DirectoryLockedError: another manager writes to ``directory``.
@@ -93,10 +97,11 @@ def open_directory(directory: Path, lock: DirectoryLock) -> tuple[list[int], str
     lock.acquire()
     remove_uncommitted(directory)
     steps = scan_steps(directory)
-    # Every writer's opening counts (the epoch): a memory tier's snapshots saved before an
-    # opening without it are not restored (check_owner).
-    identity = bump_identity(directory)
-    return steps, uuid.uuid4().hex[:12], identity, os.urandom(8).hex()
+    identity = read_identity(directory) or bump_identity(directory)
+    # Every writer's opening counts: a memory tier's snapshots saved before an opening without
+    # it are not restored (check_owner).
+    opening = count_opening(directory)
+    return steps, uuid.uuid4().hex[:12], identity, opening, os.urandom(8).hex()
 
 
 def remove_uncommitted(directory: Path) -> None:

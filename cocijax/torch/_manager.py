@@ -216,11 +216,11 @@ class CheckpointManager:
                 memory, memory_bytes, self._dir.absolute(), processes=1, stacklevel=3
             )
             opened = lead(lambda: open_directory(self._dir, self._dir_lock))
-            self._steps, self._session, identity, token = opened
+            self._steps, self._session, identity, opening, token = opened
             if options is not None:
                 self._memory = open_tier(
                     options, identity, self._ranks, directory=self._dir.absolute(),
-                    newest_on_disk=max(self._steps, default=None),
+                    opening=opening, newest_on_disk=max(self._steps, default=None),
                 )  # fmt: skip
             peers = [] if self._memory is None else mark_ranks(self._memory, self._ranks, token)
             latest = lead(self._newest_metadata)

@@ -76,9 +76,10 @@ class MemoryTier:
       options: the checked ``memory`` arguments.
       namespace: the folder's name in the memory root (:func:`tier_name`).
       directory: the checkpoint directory, recorded as the folder's owner.
-      epoch: the directory's identity epoch, as this opening bumped it, and ``newest_on_disk``
-        the directory's newest step: when another writer opened the directory since this
-        folder's last, the snapshots not newer than that step are removed (``check_owner``).
+      opening: this writer's opening of the directory (``core._memory.count_opening``), and
+        ``newest_on_disk`` the directory's newest step: when another writer opened the
+        directory since this folder's last, the snapshots not newer than that step are
+        removed (``check_owner``).
 
     Attributes:
       path: the job's folder.
@@ -97,7 +98,7 @@ class MemoryTier:
         namespace: str,
         *,
         directory: Path,
-        epoch: int,
+        opening: int,
         newest_on_disk: int | None,
     ):
         self.options = options
@@ -107,7 +108,7 @@ class MemoryTier:
         self._fits_checked = False
         self._lock = lock_folder(self.path)
         try:
-            if not check_owner(self.path, directory, epoch):
+            if not check_owner(self.path, directory, opening):
                 remove_stale(self.path, newest_on_disk)
             remove_uncommitted(self.path)  # a killed save's temporary directory, the trash
             _remove_torn(self.path)
@@ -151,14 +152,15 @@ def open_tier(
     ranks: Ranks,
     *,
     directory: Path,
+    opening: int,
     newest_on_disk: int | None,
 ) -> MemoryTier:
     """Every rank opens its own memory tier (:func:`tier_name`); with several ranks, they agree
     on its steps (:func:`agree_steps`). One rank's error is raised on every rank.
 
     Args:
-      options, directory, newest_on_disk: as for :class:`MemoryTier`.
-      identity: the directory's identity, as this opening bumped it.
+      options, directory, opening, newest_on_disk: as for :class:`MemoryTier`.
+      identity: the directory's identity (its namespace names the folders).
       ranks: the job's ranks.
 
     Raises:
@@ -169,7 +171,7 @@ def open_tier(
 
     def open_own() -> None:
         tier = MemoryTier(
-            options, name, directory=directory, epoch=identity.epoch, newest_on_disk=newest_on_disk
+            options, name, directory=directory, opening=opening, newest_on_disk=newest_on_disk
         )
         tiers.append(tier)
 
