@@ -14,8 +14,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 # Checked against orbax-checkpoint 0.12.8. A handler's ``metadata()`` must return Orbax's tree
@@ -26,7 +28,13 @@ from typing import Any
 from orbax.checkpoint._src.metadata import tree as _tree_metadata
 from orbax.checkpoint.checkpoint_manager import CheckpointInfo
 
-__all__ = ["TreeMetadata", "build_tree_metadata", "list_steps_lightly", "manager_checkpointer"]
+__all__ = [
+    "TreeMetadata",
+    "build_tree_metadata",
+    "list_steps_lightly",
+    "manager_checkpointer",
+    "orbax_reader_notice_dropped",
+]
 
 TreeMetadata = _tree_metadata.TreeMetadata
 """Orbax's tree metadata (a Protocol): what ``StandardCheckpointHandler.metadata`` returns."""
@@ -72,3 +80,25 @@ def list_steps_lightly(manager: Any, steps: Iterable[int]) -> None:
     for step in steps:
         listed.setdefault(step, CheckpointInfo(step=step, time=datetime.datetime.min, metrics=None))
     manager._checkpoints.set([listed[step] for step in sorted(listed)])
+
+
+class _ReaderNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only=")
+
+
+@contextlib.contextmanager
+def orbax_reader_notice_dropped() -> Iterator[None]:
+    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
+
+    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
+    it describes what the user asked for and asks nothing of them. Only that message is dropped,
+    only while a manager opens.
+    """
+    quiet = _ReaderNotice()
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)

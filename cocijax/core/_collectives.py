@@ -4,7 +4,8 @@ The policy driver calls these at every policy check: one broadcast of process 0'
 inputs (every process then feeds its policy the same numbers) and one all-gather of a summary
 of the steps each process was given (a user's loop at different steps on different processes
 is an error on all of them, not a hang in a later collective). With one process both are
-no-ops, and neither imports JAX's multi-host utilities.
+no-ops, and neither imports JAX's multi-host utilities. At opening, the primary process's
+short strings (the directory's namespace) reach the others through :func:`from_primary`.
 """
 
 from __future__ import annotations
@@ -56,3 +57,17 @@ def same_steps_on_every_process(steps: np.ndarray) -> None:
         f"(one step counter for all; no process skipping a call); nothing of these steps was "
         f"saved."
     )
+
+
+def from_primary(text: str | None, *, is_source: bool) -> str | None:
+    """The primary process's ``text`` (a short ASCII string or None), on every process."""
+    from jax.experimental import multihost_utils
+
+    data = np.zeros(64, np.uint8)
+    if is_source and text is not None:
+        encoded = text.encode("ascii")
+        data[0] = len(encoded) + 1
+        data[1 : 1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=is_source))
+    size = int(data[0])
+    return None if size == 0 else bytes(data[1:size]).decode("ascii")

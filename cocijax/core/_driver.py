@@ -61,19 +61,9 @@ from cocijax.core._contract import Measurements
 from cocijax.core._history import MACHINE, PROCESS, RunHistory
 from cocijax.core._policy_inputs import COST_JUMP, RecentTimes, prior_cost_s, read_loss
 from cocijax.policies import Runner, coci, default_prior_mtbf_s
-from cocijax.policies._base import DEFAULT_COST_PRIOR_S
+from cocijax.policies._base import DEFAULT_COST_PRIOR_S, check_policy
 
-__all__ = ["PolicyDriver", "check_policy", "manager_driver"]
-
-
-def check_policy(policy: Any) -> None:
-    """Raises ``TypeError`` naming ``policy`` unless it is an ``(init, update)`` pair."""
-    init, update = getattr(policy, "init", None), getattr(policy, "update", None)
-    if not (callable(init) and callable(update)):
-        raise TypeError(
-            f"policy: expected a cocijax.policies.Policy (an (init, update) pair, e.g. "
-            f"cj.policies.coci()), got {type(policy).__name__}."
-        )
+__all__ = ["PolicyDriver", "manager_driver"]
 
 
 def manager_driver(

@@ -13,16 +13,17 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from cocijax import storage
 from cocijax._files import make_dirs
+from cocijax._orbax_compat import orbax_reader_notice_dropped
+from cocijax.core._collectives import from_primary
 from cocijax.core._driver import manager_driver
 from cocijax.core._history import RunHistory
 from cocijax.core._identity import read_identity
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Opening",
     "check_arguments",
-    "from_primary",
     "open_directory",
     "open_manager",
     "orbax_manager",
@@ -264,28 +264,6 @@ def orbax_manager(
         return ocp.CheckpointManager(opening.directory, options=options, handler_registry=registry)
 
 
-class _ReaderNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Given directory is read only=")
-
-
-@contextlib.contextmanager
-def orbax_reader_notice_dropped() -> Iterator[None]:
-    """Drops Orbax's warning ``Given directory is read only=DIR`` while the block runs.
-
-    Orbax's ``CheckpointManager`` logs it (through absl) whenever it opens a read-only manager:
-    it describes what the user asked for and asks nothing of them. Only that message is dropped,
-    only while a manager opens.
-    """
-    quiet = _ReaderNotice()
-    absl_logger = logging.getLogger("absl")
-    absl_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(quiet)
-
-
 def watcher(opening: Opening) -> PreemptionWatcher:
     """The preemption watcher of a JAX job: flags exchanged, or JAX's service, across processes.
 
@@ -305,20 +283,6 @@ def watcher(opening: Opening) -> PreemptionWatcher:
         service=service,
         exit_on_preemption=opening.exit_on_preemption,
     )
-
-
-def from_primary(text: str | None, *, is_source: bool) -> str | None:
-    """The primary process's ``text`` (a short ASCII string or None), on every process."""
-    from jax.experimental import multihost_utils
-
-    data = np.zeros(64, np.uint8)
-    if is_source and text is not None:
-        encoded = text.encode("ascii")
-        data[0] = len(encoded) + 1
-        data[1 : 1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
-    data = np.asarray(multihost_utils.broadcast_one_to_all(data, is_source=is_source))
-    size = int(data[0])
-    return None if size == 0 else bytes(data[1:size]).decode("ascii")
 
 
 def open_directory(mngr: CheckpointManager, opening: Opening, age: float | None) -> None:

@@ -128,6 +128,16 @@ class Policy(NamedTuple):
     levels: int = 1
 
 
+def check_policy(policy: Any) -> None:
+    """Raises ``TypeError`` naming ``policy`` unless it is an ``(init, update)`` pair."""
+    init, update = getattr(policy, "init", None), getattr(policy, "update", None)
+    if not (callable(init) and callable(update)):
+        raise TypeError(
+            f"policy: expected a cocijax.policies.Policy (an (init, update) pair, e.g. "
+            f"cj.policies.coci()), got {type(policy).__name__}."
+        )
+
+
 class Seen(NamedTuple):
     """The inputs of one ``update`` call (see :class:`UpdateFn`), as a policy's rule sees them.
 
