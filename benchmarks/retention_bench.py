@@ -79,7 +79,7 @@ def _run_case(case: dict) -> dict:
         preemption_signals=(),
     ) as mngr:
         for step in range(1, case["saves"] + 1):
-            time.sleep(0.05)  # a training step: a save in flight commits meanwhile
+            time.sleep(case["step_s"])  # a training step: a save in flight commits meanwhile
             start = time.perf_counter()
             mngr.save(step, tree, loss=1.0)
             blocking.append(time.perf_counter() - start)
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small tree, one round")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (medians kept)")
     parser.add_argument("--saves", type=int, default=12, help="saves per case")
+    parser.add_argument(
+        "--step-s", type=float, default=0.05, help="seconds of 'training' between two saves"
+    )
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where local data goes")
     parser.add_argument("--write", action="store_true", help="record the section in BENCHMARKS.md")
     parser.add_argument("--_case", help=argparse.SUPPRESS)
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 work = Path(tempfile.mkdtemp(prefix="retention_bench-", dir=args.dir))
                 case = {"root": root, "keep": keep, "code": code, "round": rnd}
                 case |= {"quick": args.quick, "saves": args.saves, "work": str(work)}
+                case["step_s"] = args.step_s
                 case["endpoint"] = endpoint
                 try:
                     out = _one(case, codes[code])
