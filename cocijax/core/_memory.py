@@ -40,6 +40,7 @@ __all__ = [
     "check_budget",
     "check_memory",
     "check_owner",
+    "claim_folder",
     "count_opening",
     "find_tmpfs",
     "lock_folder",
@@ -262,6 +263,30 @@ def check_owner(path: Path, directory: Path, opening: int | None) -> bool:
     tmp.write_text(json.dumps({"directory": str(directory), "opening": opening}))
     os.replace(tmp, record)
     return opening is None or not isinstance(last, int) or last == opening - 1
+
+
+def claim_folder(
+    path: Path, directory: Path, opening: int | None, newest_on_disk: int | None
+) -> DirectoryLock:
+    """A writer's claim on the job's memory folder ``path``, for both managers: locked
+    (:func:`lock_folder`), ``directory`` recorded as its owner (:func:`check_owner`), and the
+    snapshots a run in between may have saved again removed (:func:`remove_stale`).
+
+    Returns:
+      The folder's lock (released on any error here).
+
+    Raises:
+      DirectoryLockedError: as :func:`lock_folder`.
+      ValueError: as :func:`check_owner`.
+    """
+    lock = lock_folder(path)
+    try:
+        if not check_owner(path, directory, opening):
+            remove_stale(path, newest_on_disk)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def remove_stale(path: Path, newest_on_disk: int | None) -> None:

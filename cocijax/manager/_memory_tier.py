@@ -36,10 +36,8 @@ from cocijax.core._lock import DirectoryLock
 from cocijax.core._memory import (
     MemoryOptions,
     check_budget,
-    check_owner,
-    lock_folder,
+    claim_folder,
     older_slots,
-    remove_stale,
 )
 from cocijax.core._session import run_all
 from cocijax.manager._directory import (
@@ -103,13 +101,7 @@ class MemoryTier:
         self._saving: int | None = None
         self._removal: threading.Thread | None = None  # deleted slots being removed
         if not read_only:
-            self._lock = lock_folder(self.path)
-            try:
-                if not check_owner(self.path, directory, opening):
-                    remove_stale(self.path, newest_on_disk)
-            except BaseException:
-                self.close()
-                raise
+            self._lock = claim_folder(self.path, directory, opening, newest_on_disk)
             self._remove_uncommitted()
         elif not self.path.is_dir():
             self.enabled = False

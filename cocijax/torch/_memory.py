@@ -38,9 +38,7 @@ from cocijax.core._identity import Identity
 from cocijax.core._memory import (
     MemoryOptions,
     check_budget,
-    check_owner,
-    lock_folder,
-    remove_stale,
+    claim_folder,
 )
 from cocijax.core._session import run_all
 from cocijax.torch._directory import (
@@ -106,10 +104,8 @@ class MemoryTier:
         self.marker = self.path / MARKER
         self.enabled = True
         self._fits_checked = False
-        self._lock = lock_folder(self.path)
+        self._lock = claim_folder(self.path, directory, opening, newest_on_disk)
         try:
-            if not check_owner(self.path, directory, opening):
-                remove_stale(self.path, newest_on_disk)
             remove_uncommitted(self.path)  # a killed save's temporary directory, the trash
             _remove_torn(self.path)
             self.steps = scan_steps(self.path)
